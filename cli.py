@@ -1,0 +1,173 @@
+"""The quantkit command line: parses arguments, calls one quantkit function, prints.
+
+Heavy libraries (torch, transformers, compressed-tensors) are imported inside the commands,
+so ``quantkit --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    help="Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _emit_json(obj) -> None:
+    data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB ({n / 1e9:.3f} GB)"
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """What a checkpoint holds, from config and safetensors headers only (no tensor data read)."""
+    from quantkit.errors import QuantkitError
+    from quantkit.inspection import inspect_checkpoint
+
+    try:
+        report = inspect_checkpoint(path)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(report)
+        return
+    out.print(
+        f"[bold]{report.path}[/]  {report.model_type} (family {report.family}), "
+        f"{report.num_hidden_layers} layers + {report.mtp_layers} MTP, quantization: {report.quantization}"
+    )
+    table = Table("component", "parameters", "bytes on disk", "encodings")
+    for name, c in report.components.items():
+        enc = ", ".join(f"{k} {v / max(c.params, 1):.0%}" for k, v in c.encodings.items())
+        table.add_row(name, f"{c.params:,}", _gib(c.bytes), enc)
+    table.add_row("[bold]total[/]", f"[bold]{report.total_params:,}[/]", _gib(report.total_bytes), "")
+    out.print(table)
+    out.print(f"{len(report.shards)} shard(s)")
+
+
+@app.command("convert")
+def convert_cmd(
+    src: Path = typer.Argument(..., help="Source checkpoint folder (never modified)."),
+    dst: Path = typer.Argument(..., help="Output folder."),
+    recipe: str = typer.Option(..., "--recipe", "-r", help="Recipe YAML path or built-in name (see recipes/)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, or a list: cuda:0,cuda:1."),
+    workers: Optional[int] = typer.Option(None, help="Concurrent shard jobs (default: 2 per GPU, or up to 4 CPU)."),
+    max_shard_size: str = typer.Option("5GB", help="Largest output shard (5GB, 512MiB, ...)."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run in DST."),
+    force: bool = typer.Option(False, "--force", help="Replace whatever run DST holds."),
+    json_out: bool = typer.Option(False, "--json", help="No progress bar; print a JSON result."),
+) -> None:
+    """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe."""
+    from quantkit.convert import convert
+    from quantkit.errors import QuantkitError
+
+    if resume and force:
+        _fail(QuantkitError("--resume and --force exclude each other"))
+    try:
+        with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
+            result = convert(src, dst, recipe, device, workers, max_shard_size, resume, force, on_progress)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items())
+    out.print(
+        f"[green]done[/] {result.dst}: {result.shards_written} shard(s) written, {result.shards_reused} reused; "
+        f"{_gib(result.source_bytes)} -> {_gib(result.output_bytes)} in {result.seconds:.1f}s "
+        f"on {','.join(result.devices)} x{result.workers} ({stages})"
+    )
+
+
+@app.command("synth")
+def synth_cmd(
+    family: str = typer.Argument(..., help="glm_moe_dsa, deepseek_v3 or llama."),
+    out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint to."),
+    seed: int = typer.Option(0, help="Random seed for the weights."),
+    bf16: bool = typer.Option(False, "--bf16", help="Write BF16 weights instead of block-FP8."),
+    experts: Optional[int] = typer.Option(None, help="Routed experts per layer (MoE families)."),
+    layers: Optional[int] = typer.Option(None, help="Decoder layers."),
+) -> None:
+    """Build a small synthetic checkpoint with a real release's on-disk layout (tests, demos)."""
+    from quantkit.synthetic import build_synthetic
+
+    overrides = {}
+    if experts is not None:
+        overrides["n_routed_experts"] = experts
+    if layers is not None:
+        overrides["num_hidden_layers"] = layers
+    try:
+        path = build_synthetic(family, out_dir, seed=seed, fp8=False if bf16 else None, **overrides)
+    except ValueError as exc:
+        _fail(exc)
+    out.print(f"wrote {path}")
+
+
+class _bytes_progress:
+    """A Rich progress bar over source bytes (rate, ETA) on a terminal; nothing otherwise."""
+
+    def __init__(self, enabled: bool, label: str):
+        self.enabled, self.label = enabled, label
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.progress = Progress(
+            f"[bold]{self.label}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=err,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(self.label, total=None)
+
+        def update(done: int, total: int) -> None:
+            self.progress.update(self.task, completed=done, total=total)
+
+        return update
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""``convert``: a source checkpoint and a recipe in, a compressed-tensors checkpoint out.
+
+Streaming, shard by shard. Each output shard is one job: a reader thread preads the source
+tensors ahead, the job thread decodes / quantizes / packs them on its device, and a writer
+streams the results into the shard behind a header planned in advance. Jobs run on a pool of
+workers (CPU threads or GPUs). Memory is a few tensors per worker, not a shard, not a model.
+
+The manifest in DST makes the run resumable after any kill: finished shards are recorded with
+their sha256, files only appear under their final names once complete, and a re-run with
+``--resume`` redoes only what is missing, giving byte-identical output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from quantkit import __version__
+from quantkit.checkpoint import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
+from quantkit.errors import QuantkitError
+from quantkit.families import detect_family
+from quantkit.manifest import MANIFEST_NAME, Manifest, ShardRecord, load_manifest
+from quantkit.recipe import Recipe, load_recipe
+from quantkit.shard_writer import ShardWriter, partial_name, write_bytes_atomic
+from quantkit.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
+
+STAGES = ("read", "decode", "quantize", "pack", "write")
+PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
+
+
+@dataclass
+class ConvertResult:
+    src: str
+    dst: str
+    family: str
+    recipe: str
+    source_bytes: int
+    output_bytes: int
+    shards_total: int
+    shards_written: int
+    shards_reused: int
+    tensors_by_kind: dict[str, int]
+    devices: list[str]
+    workers: int
+    seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5e9, '512MiB' -> 512 * 2**20, plain numbers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise QuantkitError(f"cannot read size {text!r} (examples: 5GB, 512MiB, 1000000)")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    power = " KMGT".index(unit or " ")
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def resolve_devices(device: str) -> list[str]:
+    import torch
+
+    if device == "auto":
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+    devices = [d.strip() for d in device.split(",") if d.strip()]
+    for d in devices:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise QuantkitError(f"device {d} requested but CUDA is not available")
+        if d != "cpu" and not d.startswith("cuda"):
+            raise QuantkitError(f"unknown device {d!r} (auto, cpu, cuda, cuda:0,cuda:1)")
+    return devices
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    recipe: str | os.PathLike,
+    device: str = "auto",
+    workers: int | None = None,
+    max_shard_size: str | int = "5GB",
+    resume: bool = False,
+    force: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> ConvertResult:
+    """Convert SRC into DST with RECIPE. ``on_progress(done_bytes, total_bytes)`` reports source bytes."""
+    started = time.perf_counter()
+    src_path, dst_path = Path(src), Path(dst)
+    _check_paths(src_path, dst_path)
+    ckpt = open_checkpoint(src_path)
+    rec = load_recipe(recipe)
+    plan = plan_conversion(ckpt, rec, parse_size(max_shard_size))
+    devices = resolve_devices(device)
+    workers = workers or (2 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
+
+    manifest = Manifest(
+        quantkit_version=__version__,
+        source_path=str(src_path.resolve()),
+        source_fingerprint=ckpt.fingerprint(),
+        recipe_name=rec.name,
+        recipe_sha256=rec.sha256,
+        plan_sha256=plan.digest(),
+        max_shard_size=parse_size(max_shard_size),
+    )
+    manifest = _prepare_dst(dst_path, manifest, resume, force)
+    todo = [s for s in plan.shards if not _is_done(dst_path, s, manifest)]
+
+    total = sum(s.source_bytes for s in plan.shards)
+    progress = _Progress(total, on_progress)
+    progress.add(total - sum(s.source_bytes for s in todo))
+    stats = _Stats()
+    if devices[0] == "cpu":
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+    lock = threading.Lock()
+    slots: queue.Queue[str] = queue.Queue()
+    for i in range(workers):
+        slots.put(devices[i % len(devices)])
+
+    def job(shard: OutputShard) -> None:
+        dev = slots.get()
+        try:
+            written = _convert_shard(shard, plan, ckpt, dst_path, dev, stats, progress)
+        finally:
+            slots.put(dev)
+        with lock:
+            manifest.shards[shard.name] = ShardRecord(written.sha256, written.size)
+            manifest.save(dst_path)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for future in [pool.submit(job, s) for s in todo]:
+            future.result()
+
+    _finish(ckpt, rec, plan, dst_path, manifest)
+    kinds: dict[str, int] = {}
+    for shard in plan.shards:
+        for a in shard.actions:
+            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+    return ConvertResult(
+        src=str(src_path),
+        dst=str(dst_path),
+        family=detect_family(ckpt.config).name,
+        recipe=rec.name,
+        source_bytes=ckpt.total_bytes,
+        output_bytes=sum(r.size for r in manifest.shards.values()),
+        shards_total=len(plan.shards),
+        shards_written=len(todo),
+        shards_reused=len(plan.shards) - len(todo),
+        tensors_by_kind=kinds,
+        devices=devices,
+        workers=workers,
+        seconds=time.perf_counter() - started,
+        stage_seconds=dict(stats.seconds),
+    )
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise QuantkitError(f"DST must not be the source folder or inside it ({src})", dst)
+    if d in s.parents:
+        raise QuantkitError(f"DST must not contain the source folder ({src})", dst)
+
+
+def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> Manifest:
+    """Decide whether DST is new, ours to resume, or someone else's (refused without --force)."""
+    if dst.exists() and not dst.is_dir():
+        raise QuantkitError("exists and is not a folder", dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    old = load_manifest(dst) if not force else None
+    entries = [p for p in dst.iterdir() if not p.name.endswith(".partial")]
+    if force:
+        _clear_outputs(dst)
+    elif old is not None:
+        diffs = old.same_job(fresh)
+        if diffs:
+            raise QuantkitError(f"holds another run (different {', '.join(diffs)}); use --force to replace it", dst)
+        if not resume:
+            raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
+        fresh.shards = old.shards
+    elif entries:
+        raise QuantkitError("is not empty and holds no quantkit run; use --force to write into it anyway", dst)
+    for stale in dst.glob(".*.partial"):
+        stale.unlink()
+    fresh.status = "running"
+    fresh.save(dst)
+    return fresh
+
+
+def _clear_outputs(dst: Path) -> None:
+    for p in dst.glob("*.safetensors"):
+        p.unlink()
+    for name in (INDEX_NAME, MANIFEST_NAME, "config.json"):
+        (dst / name).unlink(missing_ok=True)
+
+
+def _is_done(dst: Path, shard: OutputShard, manifest: Manifest) -> bool:
+    record = manifest.shards.get(shard.name)
+    path = dst / shard.name
+    return record is not None and path.is_file() and path.stat().st_size == record.size
+
+
+class _Stats:
+    def __init__(self):
+        self.seconds = {s: 0.0 for s in STAGES}
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
+
+
+class _Progress:
+    def __init__(self, total: int, callback):
+        self.total, self.done, self.callback = total, 0, callback
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            if self.callback:
+                self.callback(self.done, self.total)
+
+
+_DONE = object()
+
+
+def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
+    entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
+    loaded: queue.Queue = queue.Queue(maxsize=PREFETCH)
+    stop = threading.Event()
+
+    def read_ahead():
+        try:
+            with TensorReader(ckpt) as reader:
+                for action in shard.actions:
+                    t0 = time.perf_counter()
+                    tensors = {name: reader.read(name) for name in action.sources}
+                    stats.add("read", time.perf_counter() - t0)
+                    while not stop.is_set():
+                        try:
+                            loaded.put((action, tensors), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            loaded.put(_DONE)
+        except BaseException as exc:  # surfaced in the job thread
+            loaded.put(exc)
+
+    reader = threading.Thread(target=read_ahead, daemon=True)
+    reader.start()
+    try:
+        with ShardWriter(dst / shard.name, entries, {"format": "pt"}) as writer:
+            while (item := loaded.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                action, tensors = item
+                for name, tensor in run_action(action, tensors, plan, ckpt, device, stats).items():
+                    t0 = time.perf_counter()
+                    writer.write(name, tensor)
+                    stats.add("write", time.perf_counter() - t0)
+                progress.add(action.source_bytes)
+            t0 = time.perf_counter()
+            written = writer.finish()
+            stats.add("write", time.perf_counter() - t0)
+            return written
+    finally:
+        stop.set()
+        reader.join()
+
+
+def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint, device: str, stats=None) -> dict:
+    """Compute one action's output tensors (on CPU) from its source tensors."""
+    import torch
+
+    from quantkit import fp8_block, int4
+
+    def timed(stage, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if stats is not None:
+            if out is not None and hasattr(out, "device") and out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
+            stats.add(stage, time.perf_counter() - t0)
+        return out
+
+    kind, m = action.kind, action.module
+    dtype = getattr(torch, DTYPES[plan.model_dtype][1])
+    where = lambda name: ckpt.root / ckpt.tensors[name].file  # noqa: E731
+
+    def finite(t, name):
+        if t.is_floating_point() and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+            raise QuantkitError("NaN or Inf values", where(name), name)
+        return t
+
+    def fp8_finite(t, name):
+        # e4m3fn has no Inf; NaN is every exponent-and-mantissa bit set (0x7F / 0xFF)
+        if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise QuantkitError("NaN values in FP8 weight", where(name), name)
+        return t
+
+    def decode() -> "torch.Tensor":
+        """The source weight in the model dtype (FP8: bf16(fp32(w) * scale_inv), one rounding)."""
+        if action.encoding == "fp8_block":
+            w_name, s_name = action.sources
+            w = fp8_finite(src[w_name], w_name)
+            s = finite(src[s_name], s_name)
+            return timed("decode", fp8_block.dequantize_fp8_block, w.to(device), s.to(device), plan.block, dtype)
+        if action.encoding == "int4_packed":
+            p_name, s_name, _ = action.sources
+            scale = finite(src[s_name], s_name).to(device)
+            shape = (src[p_name].shape[0], scale.shape[1] * action.source_group_size)
+            q = timed("decode", int4.unpack_int4, src[p_name].to(device), shape)
+            return timed("decode", int4.dequantize_int4, q, scale, action.source_group_size)
+        (w_name,) = action.sources
+        return finite(src[w_name], w_name).to(device=device, dtype=dtype)
+
+    weight_name = f"{m}.weight"
+    if kind == "copy":
+        (name,) = action.sources
+        return {name: finite(src[name], name)}
+    if kind == "keep_float":
+        (name,) = action.sources
+        return {name: finite(src[name], name)}
+    if kind == "int4_keep":
+        finite(src[action.sources[1]], action.sources[1])
+        return {name: src[name] for name in action.sources}
+    if kind == "fp8_keep":
+        w_name, s_name = action.sources
+        return {
+            weight_name: fp8_finite(src[w_name], w_name),
+            f"{m}.weight_scale": finite(src[s_name], s_name).to(torch.float32),
+        }
+    w = decode()
+    if kind in ("dequantize", "int4_dequant"):
+        if action.encoding == "fp8_block" and not bool(torch.isfinite(w).all()):
+            raise QuantkitError("Inf after FP8 dequantization (scale too large)", where(action.sources[1]), action.sources[1])
+        return {weight_name: w.cpu()}
+    if kind == "fp8_quantize":
+        q, s = timed("quantize", fp8_block.quantize_fp8_block, w, plan.block)
+        return {weight_name: q.cpu(), f"{m}.weight_scale": s.cpu()}
+    if kind in ("int4", "int4_requant"):
+        if not bool(torch.isfinite(w).all()):
+            raise QuantkitError("Inf after dequantization", where(action.sources[-1]), action.sources[0])
+        q, scale = timed("quantize", int4.quantize_int4, w, action.group_size)
+        packed = timed("pack", int4.pack_int4, q)
+        return {
+            f"{m}.weight_packed": packed.cpu(),
+            f"{m}.weight_scale": scale.cpu(),
+            f"{m}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+        }
+    raise AssertionError(f"unknown action kind {kind}")
+
+
+def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
+    """quantization_config for config.json, built with compressed-tensors' own models.
+
+    Only groups that quantized something are kept, so the config describes exactly the
+    quantized tensors the checkpoint holds; the format is the single one used, or
+    ``mixed-precision`` when groups differ.
+    """
+    from compressed_tensors import __version__ as ct_version
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    used = {a.group for s in plan.shards for a in s.actions if a.group is not None}
+    groups = {name: scheme for name, scheme in recipe.config.config_groups.items() if name in used}
+    formats = {scheme.format for scheme in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
+    config = QuantizationConfig(
+        config_groups=groups,
+        ignore=list(recipe.config.ignore or []),
+        kv_cache_scheme=recipe.config.kv_cache_scheme,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        format=fmt,
+    )
+    data = config.model_dump(mode="json")
+    return {"version": ct_version, "quant_method": "compressed-tensors", **data}
+
+
+def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, manifest: Manifest) -> None:
+    for rel in ckpt.other_files:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = partial_name(target)
+        shutil.copyfile(ckpt.root / rel, tmp)
+        os.replace(tmp, target)
+    weight_map = {o.name: s.name for s in plan.shards for o in s.tensors}
+    index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    config = dict(ckpt.config)
+    config["quantization_config"] = output_quantization_config(recipe, plan)
+    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    manifest.status = "complete"
+    manifest.save(dst)

@@ -1,0 +1,97 @@
+"""Model families: what a checkpoint is, and which component each on-disk tensor belongs to.
+
+Everything here works on on-disk names (per-expert 2-D tensors), never on the fused 3-D
+layout transformers builds at load time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+COMPONENTS = (
+    "routed_experts",
+    "shared_experts",
+    "attention",
+    "indexer",
+    "dense_mlp",
+    "router",
+    "embeddings",
+    "lm_head",
+    "norms",
+    "mtp",
+    "other",
+)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    moe: bool
+    attention: str  # "mla" or "gqa"
+    has_indexer: bool = False
+    has_mtp: bool = False
+
+
+FAMILIES = (
+    Family("glm_moe_dsa", ("glm_moe_dsa",), moe=True, attention="mla", has_indexer=True, has_mtp=True),
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2", "deepseek_v32"), moe=True, attention="mla", has_mtp=True),
+    Family("qwen3_moe", ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"), moe=True, attention="gqa"),
+    Family("dense", ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"), moe=False, attention="gqa"),
+)
+
+
+def detect_family(config: dict) -> Family:
+    model_type = config.get("model_type", "")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    moe = any(k in config for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    attention = "mla" if "kv_lora_rank" in config else "gqa"
+    return Family(model_type or "unknown", (model_type,), moe=moe, attention=attention)
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_mtp(name: str, config: dict) -> bool:
+    """Multi-token-prediction layers sit after the decoder layers: index >= num_hidden_layers."""
+    index = layer_index(name)
+    return index is not None and index >= int(config.get("num_hidden_layers", 1 << 30))
+
+
+def component(name: str, config: dict) -> str:
+    if is_mtp(name, config):
+        return "mtp"
+    if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
+        return "routed_experts"
+    if ".shared_expert" in name:
+        return "shared_experts"
+    if ".self_attn.indexer." in name:
+        return "indexer"
+    module = name.rpartition(".")[0]
+    if module.endswith("norm"):
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if re.search(r"\.(mlp|block_sparse_moe)\.gate\.", name):
+        return "router"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    return "other"
+
+
+def is_linear_weight(name: str, ndim: int) -> bool:
+    """What the recipe target ``Linear`` means on disk: a 2-D ``.weight`` that is not an
+    embedding table or a norm (the same reading llm-compressor's model_free_ptq applies)."""
+    module, _, param = name.rpartition(".")
+    return param == "weight" and ndim == 2 and not module.endswith("norm") and "embed_tokens" not in module

@@ -1,0 +1,41 @@
+"""Block-FP8 (DeepSeek-V3 style) weights: decoding to the model dtype, and encoding.
+
+``weight_scale_inv`` is, despite its name, a multiplier: w = fp8 * scale_inv per 128x128 block,
+edge blocks partial. Decoding computes in fp32 and rounds once to the model dtype, exactly as
+compressed-tensors' FP8BlockDequantizer does (a test holds the two equal bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype=torch.bfloat16
+) -> torch.Tensor:
+    shape = tuple(weight.shape)
+    return (weight.to(torch.float32) * _expand(scale_inv.to(torch.float32), shape, block)).to(dtype)
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest block FP8: scale_inv = absmax(block) / 448 (fp32), a zero block gets 1.0."""
+    out, inn = weight.shape
+    rows, cols = expected_scale_shape((out, inn), block)
+    w = weight.to(torch.float32)
+    padded = torch.nn.functional.pad(w, (0, cols * block[1] - inn, 0, rows * block[0] - out))
+    absmax = padded.reshape(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    scale_inv = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    q = (w / _expand(scale_inv, (out, inn), block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv

@@ -1,0 +1,90 @@
+"""``inspect``: what a checkpoint holds, from config.json and safetensors headers only.
+
+No tensor data is read, so a 700 GB checkpoint inspects in the time it takes to read a few
+hundred kilobytes of headers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from quantkit.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from quantkit.families import COMPONENTS, component, detect_family, is_mtp, layer_index
+
+_SCALE_PARAMS = ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+@dataclass
+class ComponentSummary:
+    params: int = 0
+    bytes: int = 0
+    encodings: dict[str, int] = field(default_factory=dict)  # encoding -> parameters stored that way
+
+
+@dataclass
+class InspectReport:
+    path: str
+    model_type: str
+    family: str
+    architectures: list[str]
+    quantization: str
+    num_hidden_layers: int
+    mtp_layers: int
+    total_params: int
+    total_bytes: int
+    shards: list[dict]
+    components: dict[str, ComponentSummary]
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
+    ckpt = open_checkpoint(path)
+    config = ckpt.config
+    components = {name: ComponentSummary() for name in COMPONENTS}
+    for info in ckpt.tensors.values():
+        summary = components[component(info.name, config)]
+        summary.bytes += info.nbytes
+        params, encoding = _params_and_encoding(info, ckpt)
+        if params:
+            summary.params += params
+            summary.encodings[encoding] = summary.encodings.get(encoding, 0) + params
+    qc = config.get("quantization_config") or {}
+    mtp = {layer_index(n) for n in ckpt.tensors if is_mtp(n, config)}
+    return InspectReport(
+        path=str(ckpt.root),
+        model_type=config.get("model_type", "unknown"),
+        family=detect_family(config).name,
+        architectures=list(config.get("architectures") or []),
+        quantization=_describe_quantization(qc),
+        num_hidden_layers=int(config.get("num_hidden_layers", 0)),
+        mtp_layers=len(mtp),
+        total_params=sum(c.params for c in components.values()),
+        total_bytes=ckpt.total_bytes,
+        shards=[{"name": s.name, "bytes": s.size, "tensors": len(s.tensors)} for s in ckpt.shards],
+        components={k: v for k, v in components.items() if v.bytes},
+    )
+
+
+def _describe_quantization(qc: dict) -> str:
+    method = qc.get("quant_method")
+    if not method:
+        return "none"
+    if method == "fp8":
+        return f"fp8 block {qc.get('weight_block_size')}"
+    return f"{method} ({qc.get('format', '?')})"
+
+
+def _params_and_encoding(info: TensorInfo, ckpt: Checkpoint) -> tuple[int, str]:
+    module, _, param = info.name.rpartition(".")
+    if param in _SCALE_PARAMS:
+        return 0, ""
+    if param == "weight_packed":
+        scale = ckpt.tensors.get(f"{module}.weight_scale")
+        in_features = info.shape[1] * 8
+        group = in_features // scale.shape[1] if scale is not None and len(scale.shape) == 2 else in_features
+        return info.shape[0] * in_features, f"int4 g{group}"
+    if info.dtype in ("F8_E4M3", "F8_E5M2"):
+        has_block_scale = f"{module}.weight_scale_inv" in ckpt.tensors or f"{module}.weight_scale" in ckpt.tensors
+        return info.numel, "fp8 block" if has_block_scale else "fp8"
+    return math.prod(info.shape), info.dtype.lower()

@@ -1,0 +1,142 @@
+"""Loading checkpoints into transformers models for quantkit's in-process engine.
+
+transformers 5.x fuses each MoE layer's experts into 3-D ``gate_up_proj`` / ``down_proj``
+parameters; per-expert compressed-tensors tensors on disk match no module there, so a plain
+``from_pretrained`` drops them as unexpected keys and leaves the experts randomly initialised:
+it runs and is silently wrong. This loader dequantizes every tensor itself, fuses experts
+into the model's layout and loads with ``strict=True``, so a missing or stray tensor is an
+error, never a random weight.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from quantkit import fp8_block, int4
+from quantkit.checkpoint import TensorReader, open_checkpoint
+from quantkit.errors import QuantkitError
+from quantkit.families import is_mtp
+from quantkit.tensor_plan import model_dtype_code, source_block
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint in on-disk names, quantized weights decoded to the model dtype.
+
+    Reads block-FP8 sources (``weight_scale_inv``), compressed-tensors pack-quantized INT4
+    and float-quantized block-FP8 (``weight`` fp8 + ``weight_scale``) outputs.
+    """
+    ckpt = open_checkpoint(path)
+    if dtype is None:
+        dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(ckpt.config)])
+    block = _block(ckpt.config)
+    out: dict[str, torch.Tensor] = {}
+    with TensorReader(ckpt) as reader:
+        names = set(ckpt.tensors)
+        for name in ckpt.tensors:
+            module, _, param = name.rpartition(".")
+            if param in ("weight_scale_inv", "weight_scale", "weight_shape"):
+                continue
+            if param == "weight_packed":
+                shape = tuple(int(d) for d in reader.read(f"{module}.weight_shape").tolist())
+                scale = reader.read(f"{module}.weight_scale")
+                q = int4.unpack_int4(reader.read(name), shape)
+                out[f"{module}.weight"] = int4.dequantize_int4(q, scale, shape[1] // scale.shape[1]).to(dtype)
+                continue
+            t = reader.read(name)
+            if t.dtype == torch.float8_e4m3fn:
+                scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
+                if scale_name is None:
+                    raise QuantkitError("FP8 weight without its scale", ckpt.root / ckpt.tensors[name].file, name)
+                t = fp8_block.dequantize_fp8_block(t, reader.read(scale_name), block, dtype)
+            out[name] = t
+    return out
+
+
+def _block(config: dict) -> tuple[int, int]:
+    qc = config.get("quantization_config") or {}
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block":
+            return tuple(weights["block_structure"])
+    return source_block(config)
+
+
+def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """On-disk names -> transformers 5.x names: experts stacked into gate_up_proj / down_proj,
+    MTP layers dropped (transformers does not build them)."""
+    fused: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if is_mtp(name, config):
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            fused[name] = t
+    for prefix, by_index in experts.items():
+        count = len(by_index)
+        if sorted(by_index) != list(range(count)) or any(len(p) != 3 for p in by_index.values()):
+            raise QuantkitError(f"incomplete experts under {prefix}: each expert needs gate, up and down")
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_index[e]["gate"], by_index[e]["up"]]) for e in range(count)])
+        fused[f"{prefix}.down_proj"] = torch.stack([by_index[e]["down"] for e in range(count)])
+    return fused
+
+
+def unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers names -> on-disk per-expert 2-D tensors (what releases ship)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def model_config(config: dict):
+    """A transformers config object without quantization_config (weights arrive dequantized)."""
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """A transformers model with every weight of ``path`` dequantized into it, strictly."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = open_checkpoint(path)
+    state = fuse_experts(dequantized_state_dict(path, dtype), ckpt.config)
+    cfg = model_config(ckpt.config)
+    dtype = dtype or next(iter(state.values())).dtype
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    expected = set(model.state_dict())
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" in expected and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        first = (missing or unexpected)[0]
+        raise QuantkitError(
+            f"checkpoint does not fit {type(model).__name__}: {len(missing)} missing, {len(unexpected)} unexpected "
+            f"(first: {first}); refusing to run with randomly initialised weights",
+            path,
+            first,
+        )
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval()

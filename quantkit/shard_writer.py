@@ -1,0 +1,172 @@
+"""Writing safetensors files atomically and deterministically, hashing as the bytes go out.
+
+The same tensors in the same order always give the same bytes (what makes a resumed run
+byte-identical to an uninterrupted one). A file appears under its final name only once it is
+complete and fsynced; a failure removes the partial file.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.checkpoint import DTYPES, TORCH_TO_CODE
+from quantkit.errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    sha256: str
+
+
+def partial_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+    """The header for tensors written in the given order; entries are (name, dtype code, shape)."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, code, shape in entries:
+        nbytes = math.prod(shape) * DTYPES[code][0]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the spec pads the header to 8-byte alignment with spaces
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def tensor_code(t) -> str:
+    return TORCH_TO_CODE[str(t.dtype).removeprefix("torch.")]
+
+
+def _tensor_bytes(t) -> memoryview:
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class ShardWriter:
+    """Streams one safetensors file whose layout is known in advance.
+
+    The header goes out first; tensors are then written one by one in the planned order, each
+    checked against its planned dtype and shape, so a shard never has to sit whole in memory.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata=None):
+        self.path = path
+        self.entries = list(entries)
+        self._next = 0
+        self._tmp = partial_name(path)
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self._file = None
+        self._header = safetensors_header(self.entries, metadata)
+
+    def __enter__(self) -> "ShardWriter":
+        self._file = self._guard(lambda: open(self._tmp, "wb"))
+        self._emit(self._header)
+        return self
+
+    def write(self, name: str, tensor) -> None:
+        if self._next >= len(self.entries):
+            raise RuntimeError(f"{self.path}: unplanned tensor {name}")
+        want = self.entries[self._next]
+        got = (name, tensor_code(tensor), tuple(tensor.shape))
+        if got != (want[0], want[1], tuple(want[2])):
+            raise RuntimeError(f"{self.path}: planned {want}, produced {got}")
+        self._next += 1
+        self._emit(_tensor_bytes(tensor))
+
+    def _emit(self, chunk) -> None:
+        self._guard(lambda: self._file.write(chunk))
+        self._digest.update(chunk)
+        self._size += len(chunk)
+
+    def _guard(self, op):
+        try:
+            return op()
+        except OSError as exc:
+            self._abort()
+            reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            raise QuantkitError(f"cannot write: {reason}", self.path) from exc
+
+    def _abort(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        self._tmp.unlink(missing_ok=True)
+
+    def finish(self) -> WrittenFile:
+        if self._next != len(self.entries):
+            raise RuntimeError(f"{self.path}: {len(self.entries) - self._next} planned tensors not written")
+
+        def close():
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._tmp, self.path)
+            fsync_dir(self.path.parent)
+
+        self._guard(close)
+        return WrittenFile(self.path.name, self._size, self._digest.hexdigest())
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if self._file is not None:  # an error before finish(): leave nothing behind
+            self._abort()
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> WrittenFile:
+    """Write ``tensors`` in the given order to ``path`` atomically."""
+    entries = [(name, tensor_code(t), tuple(t.shape)) for name, t in tensors.items()]
+    with ShardWriter(path, entries, metadata) as writer:
+        for name, t in tensors.items():
+            writer.write(name, t)
+        return writer.finish()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = partial_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        raise QuantkitError(f"cannot write: {reason}", path) from exc
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,175 @@
+"""Synthetic checkpoints with the real on-disk layout of GLM 5.x, DeepSeek-V3 and Llama releases.
+
+Giant MoE checkpoints cannot be downloaded here, so tests, benchmarks and the demo build them:
+the family's own transformers config class with tiny dimensions, seeded random weights,
+written the way the real release is — per-expert 2-D tensors, block-FP8 weights with
+``weight_scale_inv`` where the release has them, BF16 where it keeps BF16, an MTP layer after
+the decoder layers, sharded with an index, plus tokenizer-side files to be copied verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from quantkit.checkpoint import INDEX_NAME
+from quantkit.fp8_block import quantize_fp8_block
+from quantkit.modeling import unfuse_experts
+from quantkit.shard_writer import write_safetensors
+
+FAMILIES = ("glm_moe_dsa", "deepseek_v3", "llama")
+
+# What real block-FP8 releases keep in BF16: embeddings, lm_head, norms, the router and its
+# bias, the indexer's head weights, the MTP projection and head. Everything else Linear is FP8.
+_KEEP_BF16 = re.compile(
+    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|indexer\.weights_proj|eh_proj|shared_head\.head)"
+)
+
+
+def tiny_config(family: str, **overrides) -> dict:
+    """Config kwargs for a tiny model of ``family`` whose every input dim is a multiple of 128."""
+    if family == "glm_moe_dsa":
+        base = dict(
+            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
+            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
+            index_topk=16, index_head_dim=64, index_n_heads=4, head_dim=32, max_position_embeddings=256,
+        )
+    elif family == "deepseek_v3":
+        base = dict(
+            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
+            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
+            n_group=2, topk_group=1, max_position_embeddings=256,
+        )
+    elif family == "llama":
+        base = dict(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        )
+    else:
+        raise ValueError(f"unknown synthetic family {family!r}; choose from {', '.join(FAMILIES)}")
+    base.update(overrides)
+    return base
+
+
+def _model_state(family: str, cfg_kwargs: dict, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **cfg_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, t in state.items():
+        # Norms init to ones and router biases to zeros; perturb them so that a loader that
+        # drops or swaps one of them changes the logits.
+        if t.ndim == 1 and t.is_floating_point():
+            noise = torch.randn(t.shape, generator=gen) * 0.1
+            state[name] = (t.float() + noise).to(t.dtype)
+    return config.to_dict(), state
+
+
+def _mtp_layer(family: str, cfg_kwargs: dict, seed: int) -> dict[str, torch.Tensor]:
+    """One extra decoder layer (MoE) at index num_hidden_layers, plus the MTP-only tensors."""
+    n = cfg_kwargs["num_hidden_layers"]
+    bigger = dict(cfg_kwargs, num_hidden_layers=n + 1)
+    bigger.pop("mlp_layer_types", None)
+    _, state = _model_state(family, bigger, seed + 7)
+    prefix = f"model.layers.{n}."
+    layer = {k: v for k, v in state.items() if k.startswith(prefix)}
+    hidden, vocab = cfg_kwargs["hidden_size"], cfg_kwargs["vocab_size"]
+    gen = torch.Generator().manual_seed(seed + 11)
+    extra = {
+        "embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
+        "enorm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
+        "hnorm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
+        "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.02,
+        "shared_head.norm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
+        "shared_head.head.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
+    }
+    layer.update({prefix + k: v.to(torch.bfloat16) for k, v in extra.items()})
+    return layer
+
+
+def _layer_sort_key(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def build_synthetic(
+    family: str,
+    out: str | Path,
+    seed: int = 0,
+    fp8: bool | None = None,
+    shard_size: int = 2_000_000,
+    **overrides,
+) -> Path:
+    """Write a synthetic checkpoint of ``family`` to ``out``; returns the folder.
+
+    fp8: block-FP8 Linears like the real release (default for MoE families; Llama defaults
+    to BF16). shard_size: bytes per shard, small by default so even tiny models have several.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    moe = family != "llama"
+    fp8 = moe if fp8 is None else fp8
+    cfg_kwargs = tiny_config(family, **overrides)
+    config, state = _model_state(family, cfg_kwargs, seed)
+    state = unfuse_experts(state)
+    if moe:
+        state.update(unfuse_experts(_mtp_layer(family, cfg_kwargs, seed)))
+        config["num_nextn_predict_layers"] = 1
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(state, key=_layer_sort_key):
+        t = state[name]
+        if fp8 and name.endswith(".weight") and t.ndim == 2 and not _KEEP_BF16.search(name):
+            q, scale_inv = quantize_fp8_block(t)
+            tensors[name] = q
+            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale_inv
+        else:
+            tensors[name] = t.contiguous()
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+        }
+    config["dtype"] = "bfloat16"
+    config.pop("torch_dtype", None)
+    _write_sharded(out, tensors, shard_size)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_tokenizer_side_files(out, family)
+    return out
+
+
+def _write_sharded(out: Path, tensors: dict[str, torch.Tensor], shard_size: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / file, shard, {"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _write_tokenizer_side_files(out: Path, family: str) -> None:
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 1}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"model_max_length": 256, "tokenizer_class": "PreTrainedTokenizerFast", "synthetic": family}) + "\n"
+    )
+    (out / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}<|assistant|>\n"
+    )

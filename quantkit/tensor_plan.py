@@ -1,0 +1,327 @@
+"""What every source tensor becomes, decided from headers alone, before any data is read.
+
+The plan fixes each output tensor's name, dtype and shape, and which output shard holds it.
+Knowing every size up front lets a shard's safetensors header be written before its tensors
+are computed (so a shard streams to disk tensor by tensor), lets ``plan`` predict the output
+size exactly, and makes a resumed run lay out the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+from compressed_tensors.quantization import QuantizationScheme
+
+from quantkit import fp8_block, int4
+from quantkit.checkpoint import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
+from quantkit.errors import QuantkitError
+from quantkit.families import is_linear_weight
+from quantkit.recipe import Recipe
+
+FLOAT_CODES = ("BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][0]
+
+
+@dataclass
+class Action:
+    """One unit of conversion: a Linear's weight (with its scales), or one tensor copied as is.
+
+    kind:
+      copy           a tensor that is not a quantizable weight (norms, biases, router bias)
+      keep_float     a float weight no group targets, written as it is
+      dequantize     a block-FP8 weight no group targets -> the model dtype
+      int4           a float or block-FP8 weight -> INT4 pack-quantized
+      int4_keep      a compressed-tensors INT4 source whose scheme equals the target's: bytes pass
+      int4_requant   a compressed-tensors INT4 source re-quantized to a different INT4 scheme
+      int4_dequant   a compressed-tensors INT4 source no group targets -> the model dtype
+      fp8_keep       a block-FP8 weight kept block-FP8 (scale renamed weight_scale)
+      fp8_quantize   a float weight targeted by a block-FP8 group
+    """
+
+    kind: str
+    module: str
+    sources: tuple[str, ...]
+    outputs: tuple[OutputTensor, ...]
+    encoding: str  # source encoding: float, fp8_block, int4_packed, other
+    group: str | None = None
+    group_size: int | None = None
+    source_group_size: int | None = None
+    source_bytes: int = 0
+
+
+@dataclass
+class OutputShard:
+    name: str
+    actions: list[Action] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> list[OutputTensor]:
+        return [o for a in self.actions for o in a.outputs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.tensors)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(a.source_bytes for a in self.actions)
+
+
+@dataclass
+class ConversionPlan:
+    model_dtype: str  # safetensors code of the model dtype (FP8 dequantizes to it)
+    block: tuple[int, int]
+    shards: list[OutputShard]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def digest(self) -> str:
+        """Identifies the layout; a resumed run must lay out exactly the same shards."""
+        h = hashlib.sha256()
+        for shard in self.shards:
+            h.update(shard.name.encode())
+            for a in shard.actions:
+                h.update(json.dumps([a.kind, a.sources, [(o.name, o.dtype, o.shape) for o in a.outputs]]).encode())
+        return h.hexdigest()
+
+
+def model_dtype_code(config: dict) -> str:
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    code = TORCH_TO_CODE.get(name)
+    if code not in FLOAT_CODES:
+        return "BF16"
+    return code
+
+
+def source_block(config: dict) -> tuple[int, int]:
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":
+        return tuple(qc.get("weight_block_size") or (128, 128))
+    return (128, 128)
+
+
+def _source_ct_schemes(config: dict) -> Recipe | None:
+    """A compressed-tensors source's own config, read as a recipe to look schemes up by module."""
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return None
+    from compressed_tensors.quantization import QuantizationConfig
+
+    return Recipe(name="source", sha256="", config=QuantizationConfig.model_validate(qc))
+
+
+def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> ConversionPlan:
+    config = ckpt.config
+    dtype = model_dtype_code(config)
+    block = source_block(config)
+    source_ct = _source_ct_schemes(config)
+    tensors = ckpt.tensors
+
+    modules: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        module, _, param = name.rpartition(".")
+        modules.setdefault(module, {})[param] = info
+
+    claimed: set[str] = set()
+    actions: list[Action] = []
+    for module, params in modules.items():
+        if "weight" in params or "weight_packed" in params:
+            action = _weight_action(module, params, ckpt, recipe, source_ct, dtype, block)
+            claimed.update(action.sources)
+            actions.append(action)
+        elif "weight_scale_inv" in params:
+            info = params["weight_scale_inv"]
+            raise QuantkitError("weight_scale_inv without its FP8 weight", ckpt.root / info.file, info.name)
+    for name, info in tensors.items():
+        if name not in claimed:
+            actions.append(
+                Action("copy", name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype, info.shape),), "other")
+            )
+
+    # Source order: by file, then position in it, so reads stay sequential.
+    def order(a: Action):
+        first = tensors[a.sources[0]]
+        return (first.file, first.start)
+
+    actions.sort(key=order)
+    for a in actions:
+        a.source_bytes = sum(tensors[s].nbytes for s in a.sources)
+    return ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
+
+
+def _assign_shards(actions: list[Action], max_shard_size: int) -> list[OutputShard]:
+    groups: list[list[Action]] = [[]]
+    size = 0
+    for a in actions:
+        n = sum(o.nbytes for o in a.outputs)
+        if groups[-1] and size + n > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(a)
+        size += n
+    total = len(groups)
+    return [OutputShard(f"model-{i + 1:05d}-of-{total:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Action:
+    where = lambda info: ckpt.root / info.file  # noqa: E731
+    if "weight_packed" in params:
+        return _int4_source_action(module, params, ckpt, recipe, source_ct, dtype)
+
+    weight = params["weight"]
+    scale_inv = params.get("weight_scale_inv")
+    if weight.dtype == "F8_E4M3":
+        if scale_inv is None:
+            raise QuantkitError("FP8 weight without its scale (weight_scale_inv)", where(weight), weight.name)
+        expected = fp8_block.expected_scale_shape(weight.shape, block) if len(weight.shape) == 2 else None
+        if scale_inv.shape != expected:
+            raise QuantkitError(
+                f"scale of the wrong shape: {list(scale_inv.shape)}, expected {list(expected or ())} for "
+                f"weight {list(weight.shape)} in {block[0]}x{block[1]} blocks",
+                where(scale_inv),
+                scale_inv.name,
+            )
+        if scale_inv.dtype not in FLOAT_CODES:
+            raise QuantkitError(f"scale dtype {scale_inv.dtype} is not a float", where(scale_inv), scale_inv.name)
+        encoding, sources = "fp8_block", (weight.name, scale_inv.name)
+    elif weight.dtype in FLOAT_CODES:
+        if scale_inv is not None:
+            raise QuantkitError(f"weight_scale_inv beside a {weight.dtype} weight", where(scale_inv), scale_inv.name)
+        encoding, sources = "float", (weight.name,)
+    else:
+        return Action("copy", module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
+
+    match = recipe.scheme_for(module, is_linear_weight(weight.name, len(weight.shape)))
+    if match is None:
+        out_dtype = dtype if encoding == "fp8_block" else weight.dtype
+        kind = "dequantize" if encoding == "fp8_block" else "keep_float"
+        return Action(kind, module, sources, (OutputTensor(weight.name, out_dtype, weight.shape),), encoding)
+
+    group, scheme = match
+    _check_linear(weight, ckpt)
+    if _is_int4_group(scheme):
+        gs = _group_size(scheme, weight, ckpt, recipe)
+        return Action("int4", module, sources, _int4_outputs(module, weight.shape, gs, dtype), encoding, group, gs)
+    if _is_fp8_block(scheme):
+        if tuple(scheme.weights.block_structure) != tuple(block):
+            raise QuantkitError(
+                f"recipe group {group} asks blocks {scheme.weights.block_structure}, source has {list(block)}",
+                where(weight),
+                weight.name,
+            )
+        rows, cols = fp8_block.expected_scale_shape(weight.shape, block)
+        outputs = (
+            OutputTensor(weight.name, "F8_E4M3", weight.shape),
+            OutputTensor(f"{module}.weight_scale", "F32", (rows, cols)),
+        )
+        kind = "fp8_keep" if encoding == "fp8_block" else "fp8_quantize"
+        return Action(kind, module, sources, outputs, encoding, group)
+    raise QuantkitError(
+        f"recipe group {group}: only INT4 symmetric group/channel and FP8 block schemes are supported",
+        where(weight),
+        weight.name,
+    )
+
+
+def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Action:
+    packed = params["weight_packed"]
+    path = ckpt.root / packed.file
+    for needed in ("weight_scale", "weight_shape"):
+        if needed not in params:
+            raise QuantkitError(f"packed INT4 weight without its {needed}", path, packed.name)
+    if "weight_zero_point" in params:
+        raise QuantkitError("asymmetric INT4 source (weight_zero_point) is not supported", path, packed.name)
+    scale = params["weight_scale"]
+    sources = (packed.name, scale.name, params["weight_shape"].name)
+    src = source_ct.scheme_for(module, True) if source_ct else None
+    if src is None or not _is_int4_group(src[1]):
+        raise QuantkitError("packed INT4 weight that the source's quantization_config does not describe", path, packed.name)
+    src_scheme = src[1]
+    if src_scheme.weights.strategy == "group":
+        out_shape = (packed.shape[0], scale.shape[1] * src_scheme.weights.group_size)
+    else:
+        out_shape = (packed.shape[0], packed.shape[1] * 8)
+    src_gs = out_shape[1] // scale.shape[1]
+    match = recipe.scheme_for(module, True)
+    weight_name = f"{module}.weight"
+    if match is None:
+        return Action(
+            "int4_dequant", module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),), "int4_packed",
+            source_group_size=src_gs,
+        )
+    group, scheme = match
+    if not _is_int4_group(scheme):
+        raise QuantkitError(f"recipe group {group} re-quantizes an INT4 source to a non-INT4 scheme", path, packed.name)
+    if scheme.weights.model_dump() == src_scheme.weights.model_dump():
+        outputs = tuple(
+            OutputTensor(params[p].name, params[p].dtype, params[p].shape)
+            for p in ("weight_packed", "weight_scale", "weight_shape")
+        )
+        return Action("int4_keep", module, sources, outputs, "int4_packed", group, src_gs, src_gs)
+    gs = scheme.weights.group_size or out_shape[1]
+    problem = int4.check_group_size(out_shape[1], gs)
+    if problem:
+        raise QuantkitError(problem, path, packed.name)
+    return Action(
+        "int4_requant", module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
+    )
+
+
+def _int4_outputs(module: str, shape, gs: int, dtype: str) -> tuple[OutputTensor, ...]:
+    out, inn = shape
+    return (
+        OutputTensor(f"{module}.weight_packed", "I32", (out, inn // 8)),
+        OutputTensor(f"{module}.weight_scale", dtype, (out, inn // gs)),
+        OutputTensor(f"{module}.weight_shape", "I64", (2,)),
+    )
+
+
+def _check_linear(weight: TensorInfo, ckpt: Checkpoint) -> None:
+    if len(weight.shape) != 2:
+        raise QuantkitError(
+            f"recipe targets a {len(weight.shape)}-D tensor {list(weight.shape)}; only 2-D Linear weights quantize",
+            ckpt.root / weight.file,
+            weight.name,
+        )
+
+
+def _is_int4_group(scheme: QuantizationScheme) -> bool:
+    w = scheme.weights
+    return (
+        w is not None
+        and w.type == "int"
+        and w.num_bits == 4
+        and w.symmetric
+        and w.strategy in ("group", "channel")
+        and not w.actorder
+        and scheme.input_activations is None
+    )
+
+
+def _is_fp8_block(scheme: QuantizationScheme) -> bool:
+    w = scheme.weights
+    return w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "block"
+
+
+def _group_size(scheme, weight: TensorInfo, ckpt: Checkpoint, recipe: Recipe) -> int:
+    in_features = weight.shape[1]
+    gs = scheme.weights.group_size if scheme.weights.strategy == "group" else in_features
+    problem = int4.check_group_size(in_features, gs)
+    if problem:
+        raise QuantkitError(f"recipe {recipe.name}: {problem}", ckpt.root / weight.file, weight.name)
+    return gs
