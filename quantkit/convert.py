@@ -402,6 +402,7 @@ def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, m
     write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     config = dict(ckpt.config)
     config["quantization_config"] = output_quantization_config(recipe, plan)
-    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    # No sort_keys: config_groups keep the recipe's order, which first-match readers rely on.
+    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     manifest.status = "complete"
     manifest.save(dst)

@@ -164,14 +164,21 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     return ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
 
 
+def _header_bound(o: OutputTensor) -> int:
+    """An upper bound on this tensor's share of a safetensors header (offsets up to 20 digits)."""
+    return len(json.dumps({o.name: {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": [0, 0]}})) + 40
+
+
 def _assign_shards(actions: list[Action], max_shard_size: int) -> list[OutputShard]:
+    """Cut the ordered actions into shards whose whole files (header included) stay under the cap;
+    a module's tensors never straddle two shards."""
     groups: list[list[Action]] = [[]]
-    size = 0
+    size = 64  # header length, braces, metadata, padding
     for a in actions:
-        n = sum(o.nbytes for o in a.outputs)
+        n = sum(o.nbytes + _header_bound(o) for o in a.outputs)
         if groups[-1] and size + n > max_shard_size:
             groups.append([])
-            size = 0
+            size = 64
         groups[-1].append(a)
         size += n
     total = len(groups)

@@ -1,0 +1,59 @@
+"""Whether a checkpoint's ``quantization_config`` describes every quantized tensor it holds.
+
+An engine decides how to load each Linear from the config alone. A quantized tensor that no
+config group targets (say, FP8 attention weights left beside INT4 experts) is loaded as if it
+were plain float and serves garbage; a group that claims a float tensor breaks the other way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compressed_tensors.utils.match import match_name
+
+from quantkit.checkpoint import Checkpoint
+from quantkit.families import is_linear_weight
+from quantkit.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    tensor: str
+    problem: str
+
+
+def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = ckpt.config.get("quantization_config") or {}
+    described = None
+    if qc.get("quant_method") == "compressed-tensors":
+        described = Recipe("config", "", QuantizationConfig.model_validate(qc))
+    found: list[Mismatch] = []
+    for name, info in ckpt.tensors.items():
+        module, _, param = name.rpartition(".")
+        if param == "weight_packed":
+            stored = "int4"
+        elif param == "weight" and info.dtype.startswith("F8"):
+            stored = "fp8"
+        elif param == "weight" and is_linear_weight(name, len(info.shape)):
+            stored = "float"
+        else:
+            continue
+        match = described.scheme_for(module, True) if described else None
+        if match is None:
+            if stored != "float":
+                found.append(Mismatch(name, f"{stored} tensor that no quantization_config group describes"))
+            continue
+        others = [g for g, scheme in described.config.config_groups.items() if g != match[0] and _targets(scheme, module)]
+        if others:
+            found.append(Mismatch(name, f"matched by groups {match[0]} and {others[0]}: engines resolve overlaps differently"))
+        weights = match[1].weights
+        claimed = "int4" if weights.type == "int" and weights.num_bits == 4 else "fp8" if weights.num_bits == 8 else "other"
+        if claimed != stored:
+            found.append(Mismatch(name, f"group {match[0]} says {claimed}, tensor is {stored}"))
+    return found
+
+
+def _targets(scheme, module: str) -> bool:
+    return any(t == "Linear" or match_name(module, t) for t in scheme.targets)

@@ -1,0 +1,35 @@
+"""Shared fixtures: synthetic checkpoints built once per session, converted copies on demand."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from quantkit.synthetic import build_synthetic
+
+RECIPE_FOR = {
+    "glm_moe_dsa": "glm5-int4-experts-g32",
+    "deepseek_v3": "deepseek-v3-int4-experts-g32",
+    "llama": "dense-w4a16-g128",
+}
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """family -> path of a pristine synthetic checkpoint (tests must copy before damaging one)."""
+    root = tmp_path_factory.mktemp("synthetic")
+    return {family: build_synthetic(family, root / family, seed=1) for family in RECIPE_FOR}
+
+
+@pytest.fixture
+def glm_copy(synthetic, tmp_path) -> Path:
+    """A private copy of the synthetic GLM-5 checkpoint, free to damage."""
+    dst = tmp_path / "src"
+    shutil.copytree(synthetic["glm_moe_dsa"], dst)
+    return dst
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -1,0 +1,173 @@
+"""convert end to end on synthetic GLM-5, DeepSeek-V3 and Llama checkpoints."""
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import RECIPE_FOR, tree_bytes
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from quantkit.checkpoint import open_checkpoint
+from quantkit.convert import convert
+from quantkit.describe import config_mismatches
+from quantkit.errors import QuantkitError
+from quantkit.inspection import inspect_checkpoint
+from quantkit.int4 import fake_quantize_int4
+from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, model_config
+
+EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+
+
+def logits(model, seed=0):
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def fake_quant_reference(src, family, group_size):
+    """The source model with its targeted weights quantized-dequantized in place."""
+    config = json.loads((src / "config.json").read_text())
+    pattern = EXPERT if family != "llama" else LINEAR
+    state = {k: fake_quantize_int4(v, group_size) if pattern.match(k) else v for k, v in dequantized_state_dict(src).items()}
+    model = AutoModelForCausalLM.from_config(model_config(config), dtype=torch.bfloat16)
+    model.load_state_dict(fuse_experts(state, config), strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family,group_size", [("glm_moe_dsa", 32), ("deepseek_v3", 32), ("llama", 128)])
+def test_converted_logits_equal_fake_quantized_source(synthetic, tmp_path, family, group_size):
+    src = synthetic[family]
+    convert(src, tmp_path / "out", RECIPE_FOR[family], device="cpu")
+    got = logits(load_model(tmp_path / "out"))
+    want = logits(fake_quant_reference(src, family, group_size))
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    # and quantization did something: the unquantized source differs
+    assert not torch.allclose(got, logits(load_model(src)), atol=1e-3)
+
+
+def test_dense_output_loads_through_transformers_compressed_tensors(synthetic, tmp_path):
+    convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16).eval()
+    assert torch.equal(logits(theirs), logits(load_model(tmp_path / "out")))
+
+
+def test_loader_refuses_a_checkpoint_whose_experts_would_be_dropped(synthetic, tmp_path):
+    """The silent-drop failure: experts that do not reach the model must be an error, not random weights."""
+    out = tmp_path / "out"
+    convert(synthetic["glm_moe_dsa"], out, "glm5-int4-experts-g32", device="cpu")
+    shard = next(f for f in sorted(out.glob("*.safetensors")) if any(".experts.0." in k for k in load_file(f)))
+    tensors = load_file(shard)
+    renamed = {k.replace(".experts.0.", ".experts_unused.0."): v for k, v in tensors.items()}
+    from quantkit.shard_writer import write_safetensors
+
+    write_safetensors(shard, renamed)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k.replace(".experts.0.", ".experts_unused.0."): v for k, v in index["weight_map"].items()}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(QuantkitError, match="incomplete experts|does not fit"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3", "llama"])
+def test_output_layout_and_config(synthetic, tmp_path, family):
+    src, out = synthetic[family], tmp_path / "out"
+    convert(src, out, RECIPE_FOR[family], device="cpu", max_shard_size="1MB")
+    ckpt = open_checkpoint(out)
+    qc = ckpt.config["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed"
+    assert config_mismatches(ckpt) == []
+    assert not any(n.endswith("weight_scale_inv") for n in ckpt.tensors)
+    for s in ckpt.shards:
+        assert s.size <= 1_000_000 or len(s.tensors) == 1
+    for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    packed = [n for n in ckpt.tensors if n.endswith("weight_packed")]
+    assert packed
+    for name in packed:
+        m = name.removesuffix(".weight_packed")
+        info, scale = ckpt.tensors[name], ckpt.tensors[f"{m}.weight_scale"]
+        assert info.dtype == "I32" and scale.dtype == "BF16" and ckpt.tensors[f"{m}.weight_shape"].dtype == "I64"
+    if family != "llama":  # the MTP layer's experts are converted, its eh_proj is kept
+        n = ckpt.config["num_hidden_layers"]
+        assert f"model.layers.{n}.mlp.experts.0.up_proj.weight_packed" in ckpt.tensors
+        assert ckpt.tensors[f"model.layers.{n}.eh_proj.weight"].dtype == "BF16"
+        assert ckpt.tensors["model.layers.1.mlp.gate.weight"].dtype == "BF16"
+        assert ckpt.tensors["model.layers.1.self_attn.kv_b_proj.weight"].dtype == "BF16"
+
+
+def test_inspect_counts_components_from_headers(synthetic, tmp_path):
+    report = inspect_checkpoint(synthetic["glm_moe_dsa"])
+    assert report.family == "glm_moe_dsa" and report.mtp_layers == 1
+    c = report.components
+    # 2 MoE layers x 8 experts x 3 projections of 128x256
+    assert c["routed_experts"].params == 2 * 8 * 3 * 128 * 256
+    assert c["routed_experts"].encodings == {"fp8 block": 2 * 8 * 3 * 128 * 256}
+    assert c["indexer"].params > 0 and c["router"].params > 0 and c["mtp"].params > 0
+    convert(synthetic["glm_moe_dsa"], tmp_path / "out", "glm5-int4-experts-g32", device="cpu")
+    after = inspect_checkpoint(tmp_path / "out")
+    assert after.total_params == report.total_params  # packed INT4 counts its true parameters
+    assert after.components["routed_experts"].encodings == {"int4 g32": 2 * 8 * 3 * 128 * 256}
+
+
+def test_mixed_recipe_keeps_fp8_block_linears(synthetic, tmp_path):
+    src, out = synthetic["glm_moe_dsa"], tmp_path / "out"
+    convert(src, out, "glm5-int4-experts-g128-fp8", device="cpu")
+    ckpt = open_checkpoint(out)
+    qc = ckpt.config["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    assert qc["config_groups"]["fp8_block"]["format"] == "float-quantized"
+    assert config_mismatches(ckpt) == []
+    o_proj = "model.layers.1.self_attn.o_proj"
+    ours, source = load_file_all(out), load_file_all(src)
+    assert torch.equal(ours[f"{o_proj}.weight"].view(torch.uint8), source[f"{o_proj}.weight"].view(torch.uint8))
+    assert torch.equal(ours[f"{o_proj}.weight_scale"], source[f"{o_proj}.weight_scale_inv"])
+    assert ours["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # router ignored
+    assert ours["model.layers.1.mlp.experts.3.down_proj.weight_scale"].shape == (256, 1)  # g128 over 128 inputs
+    want = logits(fake_quant_reference(src, "glm_moe_dsa", 128))
+    assert torch.allclose(logits(load_model(out)), want, atol=1e-5, rtol=0)
+
+
+def load_file_all(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_int4_source_with_the_same_scheme_passes_through_bit_for_bit(synthetic, tmp_path):
+    """A Kimi K2 Thinking-style source (compressed-tensors INT4 experts) re-run with its own recipe."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    convert(synthetic["glm_moe_dsa"], first, "glm5-int4-experts-g32", device="cpu")
+    result = convert(first, second, "glm5-int4-experts-g32", device="cpu")
+    assert result.tensors_by_kind.get("int4_keep") == 72 and "int4" not in result.tensors_by_kind
+    a, b = load_file_all(first), load_file_all(second)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_int4_source_requantizes_to_another_group_size(synthetic, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    convert(synthetic["glm_moe_dsa"], first, "glm5-int4-experts-g32", device="cpu")
+    result = convert(first, second, "glm5-int4-experts-g128-fp8", device="cpu")
+    assert result.tensors_by_kind["int4_requant"] == 72
+    ours = load_file_all(second)
+    assert ours["model.layers.2.mlp.experts.5.gate_proj.weight_scale"].shape == (128, 2)
+
+
+def test_output_is_identical_across_worker_counts_and_shard_sizes_hold(synthetic, tmp_path):
+    src = synthetic["deepseek_v3"]
+    convert(src, tmp_path / "w1", "deepseek-v3-int4-experts-g32", device="cpu", workers=1, max_shard_size="700KB")
+    convert(src, tmp_path / "w3", "deepseek-v3-int4-experts-g32", device="cpu", workers=3, max_shard_size="700KB")
+    a, b = tree_bytes(tmp_path / "w1"), tree_bytes(tmp_path / "w3")
+    a.pop("quantkit-manifest.json"), b.pop("quantkit-manifest.json")
+    assert a == b
+
+
+def test_source_is_never_modified(synthetic, tmp_path):
+    before = tree_bytes(synthetic["glm_moe_dsa"])
+    convert(synthetic["glm_moe_dsa"], tmp_path / "out", "glm5-int4-experts-g32", device="cpu")
+    assert tree_bytes(synthetic["glm_moe_dsa"]) == before
