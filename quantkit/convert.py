@@ -139,8 +139,14 @@ def convert(
             manifest.save(dst_path)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [pool.submit(job, s) for s in todo]:
-            future.result()
+        futures = [pool.submit(job, s) for s in todo]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:  # the first failure stops the run; running jobs end on their own
+                future.cancel()
+            raise
 
     _finish(ckpt, rec, plan, dst_path, manifest)
     kinds: dict[str, int] = {}
@@ -241,6 +247,16 @@ def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
     loaded: queue.Queue = queue.Queue(maxsize=PREFETCH)
     stop = threading.Event()
 
+    def offer(item) -> bool:
+        """Put unless the consumer has stopped (it may have failed and will never drain the queue)."""
+        while not stop.is_set():
+            try:
+                loaded.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def read_ahead():
         try:
             with TensorReader(ckpt) as reader:
@@ -248,17 +264,11 @@ def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
                     t0 = time.perf_counter()
                     tensors = {name: reader.read(name) for name in action.sources}
                     stats.add("read", time.perf_counter() - t0)
-                    while not stop.is_set():
-                        try:
-                            loaded.put((action, tensors), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not offer((action, tensors)):
                         return
-            loaded.put(_DONE)
+            offer(_DONE)
         except BaseException as exc:  # surfaced in the job thread
-            loaded.put(exc)
+            offer(exc)
 
     reader = threading.Thread(target=read_ahead, daemon=True)
     reader.start()

@@ -1,0 +1,253 @@
+"""Bad input: a one-line error naming the file and the tensor, a non-zero exit, SRC untouched,
+and never a partial file under a final name."""
+
+import errno
+import json
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import torch
+from conftest import tree_bytes
+from typer.testing import CliRunner
+
+from cli import app
+from quantkit.checkpoint import open_checkpoint
+from quantkit.shard_writer import write_safetensors
+
+runner = CliRunner()
+
+
+def quantkit(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def shard_of(src, tensor):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    return src / index["weight_map"][tensor]
+
+
+def rewrite(src, tensor, fn):
+    """Rewrite the shard holding ``tensor`` with fn applied to its tensor dict."""
+    from safetensors.torch import load_file
+
+    path = shard_of(src, tensor)
+    tensors = load_file(path)
+    fn(tensors)
+    write_safetensors(path, tensors)
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != path.name}
+    index["weight_map"].update({k: path.name for k in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def assert_clean_failure(result, src, before, *fragments, dst=None):
+    assert result.exit_code != 0
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert tree_bytes(src) == before
+    if dst is not None and dst.exists():
+        assert not list(dst.glob("model-*.safetensors")) or (dst / "quantkit-manifest.json").exists()
+        assert not (dst / "config.json").exists()
+
+
+ATTN = "model.layers.1.self_attn.o_proj"
+EXPERT = "model.layers.2.mlp.experts.3.up_proj"
+
+
+def convert_args(src, dst, recipe="glm5-int4-experts-g32"):
+    return ("convert", src, dst, "--recipe", recipe, "--device", "cpu")
+
+
+def test_truncated_shard(glm_copy, tmp_path):
+    path = shard_of(glm_copy, ATTN + ".weight")
+    path.write_bytes(path.read_bytes()[:-100])
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, path.name, "truncated")
+
+
+def test_header_lies_about_sizes(glm_copy, tmp_path):
+    path = shard_of(glm_copy, ATTN + ".weight")
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header[ATTN + ".weight"]["shape"] = [256, 512]  # claims twice the bytes its offsets span
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, path.name, ATTN + ".weight", "header lies")
+
+
+def test_fp8_weight_without_its_scale(glm_copy, tmp_path):
+    rewrite(glm_copy, ATTN + ".weight", lambda t: t.pop(ATTN + ".weight_scale_inv"))
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, ATTN + ".weight", "without its scale")
+
+
+def test_scale_of_the_wrong_shape(glm_copy, tmp_path):
+    rewrite(glm_copy, ATTN + ".weight", lambda t: t.update({ATTN + ".weight_scale_inv": torch.ones(3, 3)}))
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, ATTN + ".weight_scale_inv", "wrong shape")
+
+
+@pytest.mark.parametrize(
+    "tensor,value",
+    [(EXPERT + ".weight_scale_inv", float("inf")), (EXPERT + ".weight_scale_inv", float("nan")),
+     ("model.layers.1.mlp.gate.weight", float("nan")), (EXPERT + ".weight", float("nan"))],
+)
+def test_nan_or_inf_in_weights_or_scales(glm_copy, tmp_path, tensor, value):
+    def plant(t):
+        x = t[tensor]
+        if x.dtype == torch.float8_e4m3fn:
+            x = x.clone().view(torch.uint8)
+            x[0, 0] = 0x7F  # the e4m3fn NaN
+            t[tensor] = x.view(torch.float8_e4m3fn)
+        else:
+            x = x.clone()
+            x.view(-1)[0] = value
+            t[tensor] = x
+
+    rewrite(glm_copy, tensor, plant)
+    before = tree_bytes(glm_copy)
+    dst = tmp_path / "dst"
+    r = quantkit(*convert_args(glm_copy, dst))
+    assert_clean_failure(r, glm_copy, before, tensor, "NaN", dst=dst)
+    assert not list(dst.glob(".*.partial"))
+
+
+def test_group_size_not_dividing_in_features(glm_copy, tmp_path):
+    recipe = tmp_path / "g96.yaml"
+    text = (open_recipe_text("glm5-int4-experts-g32")).replace("group_size: 32", "group_size: 96")
+    recipe.write_text(text)
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst", recipe))
+    assert_clean_failure(r, glm_copy, before, "experts", "group size 96 does not divide in_features")
+
+
+def open_recipe_text(name):
+    from quantkit.recipe import resolve_recipe_path
+
+    return resolve_recipe_path(name).read_text()
+
+
+def test_index_naming_a_missing_file(glm_copy, tmp_path):
+    index_path = glm_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][ATTN + ".weight"] = "model-00009-of-00009.safetensors"
+    index_path.write_text(json.dumps(index))
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, "model.safetensors.index.json", "missing file", ATTN)
+
+
+def test_index_path_escaping_the_folder(glm_copy, tmp_path):
+    outside = tmp_path / "evil.safetensors"
+    shutil.copy(shard_of(glm_copy, ATTN + ".weight"), outside)
+    index_path = glm_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][ATTN + ".weight"] = "../evil.safetensors"
+    index_path.write_text(json.dumps(index))
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
+    assert_clean_failure(r, glm_copy, before, "escapes the checkpoint folder")
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path):
+    src = tmp_path / "pickled"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    marker = tmp_path / f"unpickled-{uuid.uuid4().hex}"
+    # A pickle that would create a file if anything loaded it.
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    before = tree_bytes(src)
+    r = quantkit(*convert_args(src, tmp_path / "dst"))
+    assert_clean_failure(r, src, before, "pytorch_model.bin", "never unpickles")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_dst_equal_to_or_inside_src(glm_copy, where):
+    dst = glm_copy if where == "same" else glm_copy / "out"
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, dst))
+    assert_clean_failure(r, glm_copy, before, "must not be the source folder or inside it")
+    assert not (glm_copy / "out").exists()
+
+
+def test_dst_holding_something_else(glm_copy, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, dst))
+    assert_clean_failure(r, glm_copy, before, "holds no quantkit run")
+    assert (dst / "notes.txt").read_text() == "mine"
+
+
+def test_dst_holding_another_run(synthetic, glm_copy, tmp_path):
+    dst = tmp_path / "dst"
+    assert quantkit(*convert_args(synthetic["deepseek_v3"], dst, "deepseek-v3-int4-experts-g32")).exit_code == 0
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, dst), "--resume")
+    assert_clean_failure(r, glm_copy, before, "holds another run", "source")
+
+
+def _tmpfs(path, size):
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_disk_full_while_writing(glm_copy, tmp_path, monkeypatch):
+    mnt = tmp_path / "small"
+    mounted = _tmpfs(mnt, "3m")  # the output needs ~6.5 MB
+    if not mounted:
+        # No permission to mount here: make every write past 3 MB fail the way a full disk does.
+        import quantkit.shard_writer as sw
+
+        real_emit = sw.ShardWriter._emit
+        budget = {"left": 3 << 20}
+
+        def emit(self, chunk):
+            budget["left"] -= len(chunk)
+            if budget["left"] < 0:
+                self._guard(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+            real_emit(self, chunk)
+
+        monkeypatch.setattr(sw.ShardWriter, "_emit", emit)
+    try:
+        dst = mnt / "dst"
+        before = tree_bytes(glm_copy)
+        r = quantkit(*convert_args(glm_copy, dst), "--max-shard-size", "1MB")
+        assert_clean_failure(r, glm_copy, before, "disk full", dst=dst)
+        assert not list(dst.glob(".*.partial"))
+        # every file under a final name is complete and recorded
+        manifest = json.loads((dst / "quantkit-manifest.json").read_text())
+        finals = sorted(p.name for p in dst.glob("model-*.safetensors"))
+        assert set(finals) <= set(manifest["shards"]) or not finals
+        for name in finals:
+            open_checkpoint  # complete files parse
+            assert (dst / name).stat().st_size == manifest["shards"][name]["size"]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)])
+
+
+def test_resume_and_force_together_are_refused(glm_copy, tmp_path):
+    r = quantkit(*convert_args(glm_copy, tmp_path / "dst"), "--resume", "--force")
+    assert r.exit_code != 0 and "exclude each other" in r.output

@@ -1,0 +1,102 @@
+"""A conversion killed with SIGKILL at any moment resumes to byte-identical output."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import tree_bytes
+
+from quantkit.convert import convert
+from quantkit.errors import QuantkitError
+from quantkit.synthetic import build_synthetic
+
+ARGS = ["-r", "glm5-int4-experts-g32", "--max-shard-size", "1MB", "--workers", "1", "--device", "cpu", "--json"]
+
+
+def run_cli(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "cli", "convert", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kw)
+
+
+def shards_done(dst):
+    try:
+        return len(json.loads((dst / "quantkit-manifest.json").read_text())["shards"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def kill_when(proc, dst, threshold, deadline=120.0):
+    """SIGKILL once the manifest records ``threshold`` shards (or a partial file appears)."""
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < deadline:
+        if shards_done(dst) >= threshold or (threshold == 0 and any(dst.glob(".*.partial"))):
+            break
+        time.sleep(0.002)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    src = build_synthetic("glm_moe_dsa", root / "src", seed=2, n_routed_experts=32, num_hidden_layers=4)
+    reference = root / "reference"
+    convert(src, reference, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB")
+    return src, reference
+
+
+def test_kill_9_at_random_points_then_resume_is_byte_identical(big_source, tmp_path):
+    src, reference = big_source
+    want = tree_bytes(reference)
+    total = json.loads((reference / "quantkit-manifest.json").read_text())
+    n_shards = len(total["shards"])
+    assert n_shards >= 10
+    rng = random.Random(1234)
+    for trial in range(4):
+        dst = tmp_path / f"trial{trial}"
+        kills = sorted(rng.sample(range(0, n_shards), 2))
+        for threshold in kills:
+            kill_when(run_cli(src, dst, *ARGS, *(["--resume"] if dst.exists() else []), cwd=os.getcwd()), dst, threshold)
+            assert not (dst / "config.json").exists() or shards_done(dst) == n_shards
+        proc = run_cli(src, dst, *ARGS, "--resume")
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        result = json.loads(out)
+        assert result["shards_reused"] >= 1
+        got = tree_bytes(dst)
+        assert got == want, f"trial {trial}: differs in {sorted(k for k in want if got.get(k) != want[k])}"
+        assert not list(dst.glob(".*.partial"))
+
+
+def test_resume_refuses_another_source_or_recipe_without_force(big_source, synthetic, tmp_path):
+    src, _ = big_source
+    dst = tmp_path / "dst"
+    convert(src, dst, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB")
+    with pytest.raises(QuantkitError, match="holds another run .*source"):
+        convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB", resume=True)
+    with pytest.raises(QuantkitError, match="holds another run .*recipe"):
+        convert(src, dst, "glm5-int4-experts-g128-fp8", device="cpu", max_shard_size="1MB", resume=True)
+    with pytest.raises(QuantkitError, match="use --resume"):
+        convert(src, dst, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB")
+    again = convert(src, dst, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB", resume=True)
+    assert again.shards_written == 0
+    forced = convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu", force=True)
+    assert forced.shards_reused == 0
+    assert len(list(dst.glob("*.safetensors"))) == forced.shards_total
+
+
+def test_resume_redoes_a_shard_whose_file_was_damaged(big_source, tmp_path):
+    src, reference = big_source
+    dst = tmp_path / "dst"
+    convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB")
+    victim = sorted(dst.glob("model-*.safetensors"))[3]
+    victim.write_bytes(victim.read_bytes()[:1000])  # a truncated copy
+    result = convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
+    assert result.shards_written == 1
+    assert victim.read_bytes() == (reference / victim.name).read_bytes()
