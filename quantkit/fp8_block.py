@@ -25,8 +25,14 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
 def dequantize_fp8_block(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype=torch.bfloat16
 ) -> torch.Tensor:
-    shape = tuple(weight.shape)
-    return (weight.to(torch.float32) * _expand(scale_inv.to(torch.float32), shape, block)).to(dtype)
+    out, inn = shape = tuple(weight.shape)
+    w = weight.to(torch.float32, copy=True)  # mutated below: never alias the caller's tensor
+    scale = scale_inv.to(torch.float32)
+    if out % block[0] == 0 and inn % block[1] == 0:
+        # whole blocks: broadcast in place over a block view, no expanded scale tensor
+        w.view(out // block[0], block[0], inn // block[1], block[1]).mul_(scale[:, None, :, None])
+        return w.to(dtype)
+    return (w * _expand(scale, shape, block)).to(dtype)
 
 
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

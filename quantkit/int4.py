@@ -39,7 +39,8 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     absmax = groups.abs().amax(dim=-1)
     scale = (absmax.to(torch.float32) / 7.5).to(w.dtype)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
-    q = torch.round(groups.to(torch.float32) / scale.to(torch.float32).unsqueeze(-1)).clamp_(QMIN, QMAX)
+    # in place on one fp32 copy: the division, rounding and clamp cost one allocation, not four
+    q = groups.to(torch.float32, copy=True).div_(scale.to(torch.float32).unsqueeze(-1)).round_().clamp_(QMIN, QMAX)
     return q.to(torch.int8).reshape(out, inn), scale
 
 
