@@ -1,0 +1,292 @@
+"""Conversion speed: quantkit vs llm-compressor's model_free_ptq vs the disk's own limit, one run.
+
+Builds a block-FP8 checkpoint with GLM-5's real routed-expert shapes (gate/up 2048x6144,
+down 6144x2048, 128x128 FP8 blocks), measures the disk (sequential write with fdatasync, then
+a cold-cache sequential read), then converts it with both tools to the same layout (experts INT4
+symmetric group 32, everything else BF16), with a cold page cache and with a warm one. Also
+measures per-tensor overhead on a checkpoint of thousands of tiny tensors, and peak RSS.
+
+    python benchmarks/convert_speed.py --workdir /tmp/bench --gb 3 --device cpu
+    python benchmarks/convert_speed.py --workdir /tmp/bench --gb 12 --device cuda
+
+Prints a Markdown table and writes the figures as JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+HIDDEN, MOE_INTER = 6144, 2048
+EXPERTS_RE = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def drop_caches(paths: list[Path]) -> str:
+    """Cold cache: drop the page cache (root), else advise the kernel to forget these files."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        for root in paths:
+            for p in root.rglob("*") if root.is_dir() else [root]:
+                if p.is_file():
+                    fd = os.open(p, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+        return "fadvise"
+
+
+def warm(path: Path) -> None:
+    for p in sorted(path.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def build_source(folder: Path, gb: float, shard_gb: float, tiny: bool = False) -> dict:
+    """Routed experts only (what dominates a real checkpoint), plus a router and norms per layer."""
+    import torch
+
+    from quantkit.shard_writer import write_safetensors
+
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return json.loads((folder / "bench.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    hidden, inter = (256, 128) if tiny else (HIDDEN, MOE_INTER)
+    per_expert = 3 * hidden * inter
+    experts_per_layer = 32
+    # tiny: 40 layers of 32 experts = 3,840 small tensors, where per-tensor overhead dominates
+    layers = 40 if tiny else max(1, round(gb * 1e9 / (per_expert * experts_per_layer)))
+    gen = torch.Generator().manual_seed(0)
+
+    def fp8(out, inn):
+        u = torch.randint(0, 256, (out, inn), dtype=torch.uint8, generator=gen)
+        u[(u & 0x7F) == 0x7F] ^= 1  # no NaN codes
+        scale = torch.rand((out + 127) // 128, (inn + 127) // 128, generator=gen) * 1e-4 + 1e-5
+        return u.view(torch.float8_e4m3fn), scale
+
+    shard, size, n_shard, weight_map, total, count = {}, 0, 0, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, n_shard
+        if shard:
+            n_shard += 1
+            name = f"model-{n_shard:05d}.safetensors"
+            write_safetensors(folder / name, shard)
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        shard[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        shard[p + "mlp.gate.weight"] = (torch.randn(experts_per_layer, hidden, generator=gen) * 0.02).bfloat16()
+        for e in range(experts_per_layer):
+            for proj, (o, i) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+                w, s = fp8(o, i)
+                shard[f"{p}mlp.experts.{e}.{proj}.weight"] = w
+                shard[f"{p}mlp.experts.{e}.{proj}.weight_scale_inv"] = s
+                size += w.numel() + s.numel() * 4
+                count += 1
+            if size >= shard_gb * 1e9:
+                flush()
+    flush()
+    total = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    config = {
+        "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": hidden,
+        "moe_intermediate_size": inter, "num_hidden_layers": layers, "n_routed_experts": experts_per_layer,
+        "dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                "activation_scheme": "dynamic"},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    # the rename below turns the shard names into the hub's -of- form the index expects
+    names = sorted(folder.glob("model-*.safetensors"))
+    renames = {p.name: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i, p in enumerate(names)}
+    for old, new in renames.items():
+        (folder / old).rename(folder / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    info = {"bytes": total, "expert_tensors": count, "shards": len(names),
+            "largest_shard": max(p.stat().st_size for p in folder.glob("*.safetensors"))}
+    (folder / "bench.json").write_text(json.dumps(info))
+    return info
+
+
+def disk_limit(workdir: Path, nbytes: int) -> dict:
+    """Sequential write with fdatasync, then sequential read with a cold cache, in GB/s."""
+    path = workdir / "disk-probe.bin"
+    block = os.urandom(64 << 20)
+    n = max(1, nbytes // len(block))
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(block)
+        f.flush()
+        os.fdatasync(f.fileno())
+    write = n * len(block) / (time.perf_counter() - t0) / 1e9
+    cache = drop_caches([path])
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+    read = n * len(block) / (time.perf_counter() - t0) / 1e9
+    path.unlink()
+    return {"read_GBps": read, "write_GBps": write, "probe_bytes": n * len(block), "cold_cache_by": cache}
+
+
+PEER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    t0 = time.perf_counter()
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+    from llmcompressor import model_free_ptq
+    from quantkit.recipe import load_recipe
+    t1 = time.perf_counter()
+    src, dst, device, workers = sys.argv[1:5]
+    model_free_ptq(src, dst, config=load_recipe("glm5-int4-experts-g32").config, device=device,
+                   max_workers=int(workers), converter=FP8BlockDequantizer(targets=[sys.argv[5]]))
+    print(f"PEER_IMPORT_SECONDS {t1 - t0:.3f}")
+    """
+)
+
+RSS_WRAPPER = "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); " \
+    "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+
+
+def timed_run(cmd: list[str], env=None) -> dict:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rss = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("PEAK_RSS_KB")))
+    return {"seconds": seconds, "peak_rss_GiB": rss / 2**20, "stdout": done.stdout}
+
+
+def run_quantkit(src: Path, dst: Path, device: str, workers: int | None) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    cmd = [sys.executable, "-m", "cli", "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
+           "--device", device, "--json"]
+    if workers:
+        cmd += ["--workers", str(workers)]
+    r = timed_run(cmd)
+    result = json.loads(r.pop("stdout"))
+    r.update(stage_seconds=result["stage_seconds"], in_process_seconds=result["seconds"],
+             output_bytes=result["output_bytes"], workers=result["workers"])
+    return r
+
+
+def run_peer(src: Path, dst: Path, device: str, workers: int) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    r = timed_run([sys.executable, "-c", PEER_SCRIPT, str(src), str(dst), device, str(workers), EXPERTS_RE])
+    out = r.pop("stdout")
+    r["import_seconds"] = float(next(l.split()[1] for l in out.splitlines() if l.startswith("PEER_IMPORT")))
+    r["output_bytes"] = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    return r
+
+
+def same_experts(a: Path, b: Path, sample: int = 24) -> dict:
+    """How many packed words of a sample of experts the two outputs share."""
+    import torch
+    from safetensors import safe_open
+
+    def index(folder):
+        return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+    ia, ib = index(a), index(b)
+    names = sorted(n for n in ia if n.endswith("weight_packed"))[:sample]
+    same = total = scales_equal = 0
+    for n in names:
+        with safe_open(a / ia[n], "pt") as fa, safe_open(b / ib[n], "pt") as fb:
+            x, y = fa.get_tensor(n), fb.get_tensor(n)
+            same += int((x == y).sum())
+            total += x.numel()
+            s = n.replace("weight_packed", "weight_scale")
+            scales_equal += int(torch.equal(fa.get_tensor(s), fb.get_tensor(s)))
+    return {"experts_compared": len(names), "packed_words_equal": same / max(total, 1),
+            "scales_equal": f"{scales_equal}/{len(names)}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench"))
+    ap.add_argument("--gb", type=float, default=3.0, help="source checkpoint size")
+    ap.add_argument("--shard-gb", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=None, help="quantkit workers (default: its own choice)")
+    ap.add_argument("--peer-workers", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    src = build_source(work / "src", args.gb, args.shard_gb)
+    tiny = build_source(work / "tiny", 0.0, 0.05, tiny=True)
+    print(f"built sources in {time.perf_counter() - t0:.0f}s: {src}", flush=True)
+    figures: dict = {"source": src, "device": args.device, "nproc": os.cpu_count()}
+    figures["disk"] = disk_limit(work, min(src["bytes"], 4 << 30))
+    print("disk", figures["disk"], flush=True)
+
+    runs = {}
+    for cache in ("cold", "warm"):
+        for tool in ("quantkit", "model_free_ptq"):
+            drop_caches([work / "src"]) if cache == "cold" else warm(work / "src")
+            dst = work / f"out-{tool}"
+            if tool == "quantkit":
+                r = run_quantkit(work / "src", dst, args.device, args.workers)
+            else:
+                r = run_peer(work / "src", dst, args.device, args.peer_workers)
+            r["GBps_source"] = src["bytes"] / r["seconds"] / 1e9
+            runs[f"{tool}/{cache}"] = r
+            print(tool, cache, {k: v for k, v in r.items() if k != "stage_seconds"}, flush=True)
+    figures["runs"] = runs
+    figures["agreement"] = same_experts(work / "out-quantkit", work / "out-model_free_ptq")
+
+    out_bytes = runs["quantkit/cold"]["output_bytes"]
+    disk = figures["disk"]
+    limit_s = src["bytes"] / (disk["read_GBps"] * 1e9) + out_bytes / (disk["write_GBps"] * 1e9)
+    figures["disk_limit_seconds"] = limit_s
+    for key, r in runs.items():
+        r["percent_of_disk_limit"] = 100 * limit_s / r["seconds"]
+
+    # per-tensor overhead: thousands of tiny experts, where compute is negligible
+    over = {}
+    for tool in ("quantkit", "model_free_ptq"):
+        warm(work / "tiny")
+        dst = work / f"tiny-{tool}"
+        r = run_quantkit(work / "tiny", dst, args.device, args.workers) if tool == "quantkit" else \
+            run_peer(work / "tiny", dst, args.device, args.peer_workers)
+        fixed = r.get("import_seconds", 0.0)
+        inproc = r.get("in_process_seconds", r["seconds"] - fixed)
+        over[tool] = {"tensors": tiny["expert_tensors"], "seconds": r["seconds"],
+                      "ms_per_tensor_in_process": 1000 * inproc / tiny["expert_tensors"]}
+    figures["per_tensor_overhead"] = over
+
+    print()
+    print(f"| run | seconds | GB/s of source | % of disk limit | peak RSS GiB |")
+    print(f"|---|---|---|---|---|")
+    for key, r in runs.items():
+        print(f"| {key} | {r['seconds']:.1f} | {r['GBps_source']:.3f} | {r['percent_of_disk_limit']:.0f} % | {r['peak_rss_GiB']:.2f} |")
+    for cache in ("cold", "warm"):
+        ratio = runs[f"model_free_ptq/{cache}"]["seconds"] / runs[f"quantkit/{cache}"]["seconds"]
+        figures[f"speedup_{cache}"] = ratio
+        print(f"speedup over model_free_ptq, {cache} cache: {ratio:.2f}x")
+    print("quantkit stages (s):", runs["quantkit/warm"]["stage_seconds"])
+    print("per-tensor overhead:", over)
+    print("agreement:", figures["agreement"])
+    print(f"disk limit: {limit_s:.1f}s (read {disk['read_GBps']:.2f} GB/s, write {disk['write_GBps']:.2f} GB/s)")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
