@@ -1,0 +1,50 @@
+"""The CLI: parses, calls one function, prints; JSON for machines; fast help."""
+
+import json
+import subprocess
+import sys
+import time
+
+from typer.testing import CliRunner
+
+from cli import app
+
+runner = CliRunner()
+
+
+def test_help_is_fast_and_imports_no_heavy_library():
+    t0 = time.perf_counter()
+    code = "import sys, cli; cli.app(['--help'], standalone_mode=False); print(sorted(m for m in ('torch', 'transformers', 'compressed_tensors') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert time.perf_counter() - t0 < 10
+
+
+def test_convert_and_inspect_json(synthetic, tmp_path):
+    dst = tmp_path / "out"
+    r = runner.invoke(app, ["convert", str(synthetic["deepseek_v3"]), str(dst), "-r", "deepseek-v3-int4-experts-g32", "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert result["shards_written"] == result["shards_total"] >= 1
+    assert result["tensors_by_kind"]["int4"] == 3 * 8 * 3
+    assert set(result["stage_seconds"]) == {"read", "decode", "quantize", "pack", "write"}
+    r = runner.invoke(app, ["inspect", str(dst), "--json"])
+    report = json.loads(r.stdout)
+    assert report["family"] == "deepseek_v3" and report["components"]["routed_experts"]["encodings"] == {"int4 g32": 2 * 8 * 3 * 128 * 256}  # MTP experts count as mtp
+
+
+def test_human_output(synthetic, tmp_path):
+    r = runner.invoke(app, ["inspect", str(synthetic["llama"])])
+    assert r.exit_code == 0 and "dense_mlp" in r.output and "GiB" in r.output and "GB)" in r.output
+    r = runner.invoke(app, ["convert", str(synthetic["llama"]), str(tmp_path / "o"), "-r", "dense-w4a16-g128"])
+    assert r.exit_code == 0 and "done" in r.output
+
+
+def test_synth_writes_a_checkpoint(tmp_path):
+    r = runner.invoke(app, ["synth", "deepseek_v3", str(tmp_path / "s"), "--experts", "4", "--layers", "2"])
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["n_routed_experts"] == 4 and config["quantization_config"]["quant_method"] == "fp8"
+    r = runner.invoke(app, ["synth", "nope", str(tmp_path / "x")])
+    assert r.exit_code == 1 and "unknown synthetic family" in r.output

@@ -1,0 +1,66 @@
+"""Recipes: our YAML reading equals llm-compressor's own, and first-match lookup behaves."""
+
+import pytest
+
+from quantkit.errors import QuantkitError
+from quantkit.recipe import RECIPES_DIR, load_recipe
+
+BUILT_IN = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_parsing_equals_llm_compressor(name):
+    from llmcompressor.recipe import Recipe as LlmcRecipe
+
+    theirs = LlmcRecipe.create_instance(str(RECIPES_DIR / f"{name}.yaml")).modifiers[0].resolve_quantization_config()
+    ours = load_recipe(name).config
+    assert list(ours.config_groups) == list(theirs.config_groups)
+    for group, scheme in ours.config_groups.items():
+        other = theirs.config_groups[group]
+        assert scheme.targets == other.targets
+        assert scheme.format == other.format
+        assert scheme.weights.model_dump(exclude={"observer"}) == other.weights.model_dump(exclude={"observer"})
+        assert (scheme.input_activations is None) == (other.input_activations is None)
+    assert list(ours.ignore) == list(theirs.ignore)
+
+
+def test_preset_scheme_form(tmp_path):
+    path = tmp_path / "w4a16.yaml"
+    path.write_text("QuantizationModifier:\n  targets: Linear\n  scheme: W4A16\n  ignore: [lm_head]\n")
+    recipe = load_recipe(path)
+    assert recipe.scheme_for("model.layers.0.mlp.up_proj", True)[1].weights.group_size == 128
+    assert recipe.scheme_for("lm_head", True) is None
+    assert recipe.scheme_for("model.embed_tokens", False) is None
+
+
+def test_first_matching_group_wins_and_ignore_beats_targets():
+    recipe = load_recipe("glm5-int4-experts-g128-fp8")
+    assert recipe.scheme_for("model.layers.5.mlp.experts.17.down_proj", True)[0] == "routed_experts"
+    assert recipe.scheme_for("model.layers.5.mlp.shared_experts.down_proj", True)[0] == "fp8_block"
+    assert recipe.scheme_for("model.layers.5.self_attn.indexer.wk", True)[0] == "fp8_block"
+    assert recipe.scheme_for("model.layers.5.self_attn.indexer.weights_proj", True) is None
+    assert recipe.scheme_for("model.layers.5.mlp.gate", True) is None
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("GPTQModifier:\n  scheme: W4A16\n", "needs calibration data"),
+        ("foo: 1\n", "exactly one QuantizationModifier"),
+        ("QuantizationModifier:\n  ignore: []\n", "neither config_groups nor scheme"),
+        ("QuantizationModifier:\n  config_groups:\n    g:\n      targets: [Linear]\n      weights: {num_bits: 4, type: banana}\n",
+         "invalid QuantizationModifier"),
+        ("QuantizationModifier: [\n", "invalid YAML"),
+    ],
+)
+def test_bad_recipes_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(QuantkitError, match=message) as info:
+        load_recipe(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_recipe_lists_the_built_in_ones():
+    with pytest.raises(QuantkitError, match="glm5-int4-experts-g32"):
+        load_recipe("no-such-recipe")
