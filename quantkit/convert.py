@@ -100,7 +100,8 @@ def convert(
     rec = load_recipe(recipe)
     plan = plan_conversion(ckpt, rec, parse_size(max_shard_size))
     devices = resolve_devices(device)
-    workers = workers or (2 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
+    # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
+    workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
 
     manifest = Manifest(
         quantkit_version=__version__,
@@ -242,20 +243,39 @@ class _Progress:
 _DONE = object()
 
 
-def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
-    entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
-    loaded: queue.Queue = queue.Queue(maxsize=PREFETCH)
-    stop = threading.Event()
+class _Pipe:
+    """A bounded queue between two threads that never blocks forever: once either side has
+    stopped (finished or failed), puts give up instead of waiting for a reader that is gone."""
 
-    def offer(item) -> bool:
-        """Put unless the consumer has stopped (it may have failed and will never drain the queue)."""
-        while not stop.is_set():
+    def __init__(self, depth: int, stop: threading.Event):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = stop
+
+    def put(self, item) -> bool:
+        while not self.stop.is_set():
             try:
-                loaded.put(item, timeout=0.1)
+                self.queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def get(self):
+        while True:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _DONE
+
+
+def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
+    """Three threads per shard: read ahead -> compute (this thread) -> write and hash."""
+    entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
+    stop = threading.Event()
+    loaded, computed = _Pipe(PREFETCH, stop), _Pipe(PREFETCH, stop)
+    failures: list[BaseException] = []
+    written: list = []
 
     def read_ahead():
         try:
@@ -264,32 +284,50 @@ def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
                     t0 = time.perf_counter()
                     tensors = {name: reader.read(name) for name in action.sources}
                     stats.add("read", time.perf_counter() - t0)
-                    if not offer((action, tensors)):
+                    if not loaded.put((action, tensors)):
                         return
-            offer(_DONE)
-        except BaseException as exc:  # surfaced in the job thread
-            offer(exc)
+            loaded.put(_DONE)
+        except BaseException as exc:
+            failures.append(exc)
+            stop.set()
 
-    reader = threading.Thread(target=read_ahead, daemon=True)
-    reader.start()
-    try:
-        with ShardWriter(dst / shard.name, entries, {"format": "pt"}) as writer:
-            while (item := loaded.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                action, tensors = item
-                for name, tensor in run_action(action, tensors, plan, ckpt, device, stats).items():
-                    t0 = time.perf_counter()
+    def write_behind(writer: ShardWriter):
+        try:
+            while (item := computed.get()) is not _DONE:
+                action, outputs = item
+                t0 = time.perf_counter()
+                for name, tensor in outputs.items():
                     writer.write(name, tensor)
-                    stats.add("write", time.perf_counter() - t0)
+                stats.add("write", time.perf_counter() - t0)
                 progress.add(action.source_bytes)
-            t0 = time.perf_counter()
-            written = writer.finish()
-            stats.add("write", time.perf_counter() - t0)
-            return written
-    finally:
-        stop.set()
-        reader.join()
+            if not stop.is_set():
+                t0 = time.perf_counter()
+                written.append(writer.finish())
+                stats.add("write", time.perf_counter() - t0)
+        except BaseException as exc:
+            failures.append(exc)
+            stop.set()
+
+    with ShardWriter(dst / shard.name, entries, {"format": "pt"}) as writer:
+        threads = [threading.Thread(target=read_ahead, daemon=True), threading.Thread(target=write_behind, args=(writer,), daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            while (item := loaded.get()) is not _DONE:
+                action, tensors = item
+                if not computed.put((action, run_action(action, tensors, plan, ckpt, device, stats))):
+                    break
+            computed.put(_DONE)
+            threads[1].join()
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        if failures:
+            raise failures[0]
+        return written[0]
 
 
 def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint, device: str, stats=None) -> dict:
@@ -322,27 +360,33 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
             raise QuantkitError("NaN values in FP8 weight", where(name), name)
         return t
 
+    def checked(w):
+        """One finiteness check of the decoded weight covers the weight and its scales; only
+        when it fails are the sources examined one by one, to name the culprit."""
+        if not bool(torch.isfinite(w).all()):
+            for name in action.sources:
+                t = src[name]
+                fp8_finite(t, name) if t.dtype == torch.float8_e4m3fn else finite(t, name)
+            raise QuantkitError("Inf after dequantization (scale too large)", where(action.sources[-1]), action.sources[0])
+        return w
+
     def decode() -> "torch.Tensor":
         """The source weight in the model dtype (FP8: bf16(fp32(w) * scale_inv), one rounding)."""
         if action.encoding == "fp8_block":
             w_name, s_name = action.sources
-            w = fp8_finite(src[w_name], w_name)
-            s = finite(src[s_name], s_name)
-            return timed("decode", fp8_block.dequantize_fp8_block, w.to(device), s.to(device), plan.block, dtype)
+            w, s = src[w_name].to(device), src[s_name].to(device)
+            return checked(timed("decode", fp8_block.dequantize_fp8_block, w, s, plan.block, dtype))
         if action.encoding == "int4_packed":
             p_name, s_name, _ = action.sources
-            scale = finite(src[s_name], s_name).to(device)
+            scale = src[s_name].to(device)
             shape = (src[p_name].shape[0], scale.shape[1] * action.source_group_size)
             q = timed("decode", int4.unpack_int4, src[p_name].to(device), shape)
-            return timed("decode", int4.dequantize_int4, q, scale, action.source_group_size)
+            return checked(timed("decode", int4.dequantize_int4, q, scale, action.source_group_size))
         (w_name,) = action.sources
-        return finite(src[w_name], w_name).to(device=device, dtype=dtype)
+        return checked(src[w_name].to(device=device, dtype=dtype))
 
     weight_name = f"{m}.weight"
-    if kind == "copy":
-        (name,) = action.sources
-        return {name: finite(src[name], name)}
-    if kind == "keep_float":
+    if kind in ("copy", "keep_float"):
         (name,) = action.sources
         return {name: finite(src[name], name)}
     if kind == "int4_keep":
@@ -356,15 +400,11 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         }
     w = decode()
     if kind in ("dequantize", "int4_dequant"):
-        if action.encoding == "fp8_block" and not bool(torch.isfinite(w).all()):
-            raise QuantkitError("Inf after FP8 dequantization (scale too large)", where(action.sources[1]), action.sources[1])
         return {weight_name: w.cpu()}
     if kind == "fp8_quantize":
         q, s = timed("quantize", fp8_block.quantize_fp8_block, w, plan.block)
         return {weight_name: q.cpu(), f"{m}.weight_scale": s.cpu()}
     if kind in ("int4", "int4_requant"):
-        if not bool(torch.isfinite(w).all()):
-            raise QuantkitError("Inf after dequantization", where(action.sources[-1]), action.sources[0])
         q, scale = timed("quantize", int4.quantize_int4, w, action.group_size)
         packed = timed("pack", int4.pack_int4, q)
         return {
