@@ -100,8 +100,7 @@ class ShardWriter:
             return op()
         except OSError as exc:
             self._abort()
-            reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-            raise QuantkitError(f"cannot write: {reason}", self.path) from exc
+            raise write_error(self.path, exc) from exc
 
     def _abort(self) -> None:
         if self._file is not None:
@@ -152,8 +151,12 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        raise QuantkitError(f"cannot write: {reason}", path) from exc
+        raise write_error(path, exc) from exc
+
+
+def write_error(path: Path, exc: OSError) -> QuantkitError:
+    reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+    return QuantkitError(f"cannot write: {reason}", path)
 
 
 def fsync_dir(folder: Path) -> None:

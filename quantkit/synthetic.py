@@ -31,22 +31,17 @@ _KEEP_BF16 = re.compile(
 
 def tiny_config(family: str, **overrides) -> dict:
     """Config kwargs for a tiny model of ``family`` whose every input dim is a multiple of 128."""
+    mla_moe = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
+        qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
+        max_position_embeddings=256,
+    )
     if family == "glm_moe_dsa":
-        base = dict(
-            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-            n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
-            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
-            index_topk=16, index_head_dim=64, index_n_heads=4, head_dim=32, max_position_embeddings=256,
-        )
+        base = dict(mla_moe, index_topk=16, index_head_dim=64, index_n_heads=4, head_dim=32)
     elif family == "deepseek_v3":
-        base = dict(
-            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-            n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
-            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
-            n_group=2, topk_group=1, max_position_embeddings=256,
-        )
+        base = dict(mla_moe, n_group=2, topk_group=1)
     elif family == "llama":
         base = dict(
             vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
