@@ -35,9 +35,6 @@ from quantkit.tensor_plan import Action, ConversionPlan, OutputShard, plan_conve
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
-# Below this many source bytes a tensor is cheaper to convert on the CPU than to ship to a GPU and
-# back; the rounding rule gives the same bits on both, so the choice never changes the output.
-GPU_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -349,8 +346,6 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         return out
 
     kind, m = action.kind, action.module
-    if action.source_bytes < GPU_MIN_BYTES:
-        device = "cpu"
     dtype = getattr(torch, DTYPES[plan.model_dtype][1])
     where = lambda name: ckpt.root / ckpt.tensors[name].file  # noqa: E731
 
