@@ -103,6 +103,39 @@ def convert_cmd(
     )
 
 
+@app.command("verify")
+def verify_cmd(
+    path: Path = typer.Argument(..., help="A converted checkpoint."),
+    source: Optional[Path] = typer.Option(None, "--source", help="The source it came from: enables the numeric checks."),
+    engine: str = typer.Option("sglang", help="Whose kernel rules to check: sglang or vllm."),
+    tp: int = typer.Option(1, help="Tensor-parallel size the checkpoint will be served with."),
+    smoke: bool = typer.Option(True, "--smoke/--no-smoke", help="Load and run small models; meta-check large ones."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Check structure, numbers, integrity and engine rules; exit 0 only when everything passes."""
+    from quantkit.verify import verify
+
+    try:
+        report = verify(path, source, engine, tp, smoke)
+    except ValueError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(report)
+    else:
+        checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
+        out.print(f"[bold]{report.path}[/] for {report.engine} tp={report.tp}: checked {checked}")
+        if report.worst:
+            worst = report.worst[0]
+            out.print(f"worst tensor: {worst.tensor} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
+        if report.findings:
+            table = Table("check", "tensor / file", "rule", "found")
+            for f in report.findings:
+                table.add_row(f.check, f.tensor or f.file or "", f.rule, f.message)
+            out.print(table)
+        out.print("[green]PASS[/]" if report.passed else f"[red]FAIL[/]: {len(report.findings)} finding(s)")
+    raise typer.Exit(0 if report.passed else 1)
+
+
 @app.command("synth")
 def synth_cmd(
     family: str = typer.Argument(..., help="glm_moe_dsa, deepseek_v3 or llama."),

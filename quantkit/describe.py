@@ -22,13 +22,18 @@ class Mismatch:
     problem: str
 
 
-def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
+def described_by(ckpt: Checkpoint) -> Recipe | None:
+    """The checkpoint's compressed-tensors quantization_config, read as a recipe for lookups."""
     from compressed_tensors.quantization import QuantizationConfig
 
     qc = ckpt.config.get("quantization_config") or {}
-    described = None
-    if qc.get("quant_method") == "compressed-tensors":
-        described = Recipe("config", "", QuantizationConfig.model_validate(qc))
+    if qc.get("quant_method") != "compressed-tensors":
+        return None
+    return Recipe("config", "", QuantizationConfig.model_validate(qc))
+
+
+def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
+    described = described_by(ckpt)
     found: list[Mismatch] = []
     for name, info in ckpt.tensors.items():
         module, _, param = name.rpartition(".")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from quantkit import fp8_block, int4
-from quantkit.checkpoint import TensorReader, open_checkpoint
+from quantkit.checkpoint import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.families import is_mtp
 from quantkit.tensor_plan import model_dtype_code, source_block
@@ -24,37 +24,73 @@ from quantkit.tensor_plan import model_dtype_code, source_block
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint in on-disk names, quantized weights decoded to the model dtype.
+def model_dtype(config: dict) -> torch.dtype:
+    return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(config)])
 
-    Reads block-FP8 sources (``weight_scale_inv``), compressed-tensors pack-quantized INT4
-    and float-quantized block-FP8 (``weight`` fp8 + ``weight_scale``) outputs.
-    """
+
+def decode_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One Linear's weight in the model dtype, whatever its encoding on disk: pack-quantized
+    INT4, block-FP8 (``weight_scale_inv`` of a source or ``weight_scale`` of a float-quantized
+    output), or plain float."""
+    dtype = dtype or model_dtype(ckpt.config)
+    names = ckpt.tensors
+    if f"{module}.weight_packed" in names:
+        shape = tuple(int(d) for d in reader.read(f"{module}.weight_shape").tolist())
+        scale = reader.read(f"{module}.weight_scale")
+        q = int4.unpack_int4(reader.read(f"{module}.weight_packed"), shape)
+        return int4.dequantize_int4(q, scale, shape[1] // scale.shape[1]).to(dtype)
+    name = f"{module}.weight"
+    t = reader.read(name)
+    if t.dtype != torch.float8_e4m3fn:
+        return t
+    scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
+    if scale_name is None:
+        raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
+    return fp8_block.dequantize_fp8_block(t, reader.read(scale_name), _block(ckpt.config), dtype)
+
+
+def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint in on-disk names, quantized weights decoded to the model dtype."""
     ckpt = open_checkpoint(path)
-    if dtype is None:
-        dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(ckpt.config)])
-    block = _block(ckpt.config)
+    dtype = dtype or model_dtype(ckpt.config)
     out: dict[str, torch.Tensor] = {}
     with TensorReader(ckpt) as reader:
-        names = set(ckpt.tensors)
         for name in ckpt.tensors:
             module, _, param = name.rpartition(".")
             if param in ("weight_scale_inv", "weight_scale", "weight_shape"):
                 continue
-            if param == "weight_packed":
-                shape = tuple(int(d) for d in reader.read(f"{module}.weight_shape").tolist())
-                scale = reader.read(f"{module}.weight_scale")
-                q = int4.unpack_int4(reader.read(name), shape)
-                out[f"{module}.weight"] = int4.dequantize_int4(q, scale, shape[1] // scale.shape[1]).to(dtype)
-                continue
-            t = reader.read(name)
-            if t.dtype == torch.float8_e4m3fn:
-                scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
-                if scale_name is None:
-                    raise QuantkitError("FP8 weight without its scale", ckpt.root / ckpt.tensors[name].file, name)
-                t = fp8_block.dequantize_fp8_block(t, reader.read(scale_name), block, dtype)
-            out[name] = t
+            if param in ("weight", "weight_packed"):
+                out[f"{module}.weight"] = decode_weight(ckpt, reader, module, dtype)
+            else:
+                out[name] = reader.read(name)
     return out
+
+
+def meta_structure_mismatches(ckpt: Checkpoint) -> list[str]:
+    """Compare a checkpoint's tensors (from headers) with its model class built on the meta
+    device: the structure check for models too large to load."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(ckpt.config))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, info in ckpt.tensors.items():
+        module, _, param = name.rpartition(".")
+        if param in ("weight_scale_inv", "weight_scale", "weight_shape") or is_mtp(name, ckpt.config):
+            continue
+        if param == "weight_packed":
+            shapes[f"{module}.weight"] = (info.shape[0], info.shape[1] * 8)
+        else:
+            shapes[name] = tuple(info.shape)
+    state = fuse_experts({k: torch.empty(v, device="meta") for k, v in shapes.items()}, ckpt.config)
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        got.setdefault("lm_head.weight", got.get("model.embed_tokens.weight"))
+    problems = [f"missing {k}" for k in sorted(set(expected) - set(got))]
+    problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
+    problems += [f"{k}: shape {list(got[k])}, model wants {list(v)}" for k, v in expected.items() if k in got and got[k] != v]
+    return problems
 
 
 def _block(config: dict) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from compressed_tensors.quantization import QuantizationScheme
 
 from quantkit import fp8_block, int4
 from quantkit.checkpoint import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
+from quantkit.describe import described_by
 from quantkit.errors import QuantkitError
 from quantkit.families import is_linear_weight
 from quantkit.recipe import Recipe
@@ -115,21 +116,11 @@ def source_block(config: dict) -> tuple[int, int]:
     return (128, 128)
 
 
-def _source_ct_schemes(config: dict) -> Recipe | None:
-    """A compressed-tensors source's own config, read as a recipe to look schemes up by module."""
-    qc = config.get("quantization_config") or {}
-    if qc.get("quant_method") != "compressed-tensors":
-        return None
-    from compressed_tensors.quantization import QuantizationConfig
-
-    return Recipe(name="source", sha256="", config=QuantizationConfig.model_validate(qc))
-
-
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> ConversionPlan:
     config = ckpt.config
     dtype = model_dtype_code(config)
     block = source_block(config)
-    source_ct = _source_ct_schemes(config)
+    source_ct = described_by(ckpt)
     tensors = ckpt.tensors
 
     modules: dict[str, dict[str, TensorInfo]] = {}

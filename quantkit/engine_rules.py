@@ -1,0 +1,39 @@
+"""What the serving engines' INT4 kernels accept (FORMATS.md §2).
+
+A checkpoint that breaks one of these rules loads fine and then fails, or serves garbage, at
+serve time; ``verify`` checks them before the GPU hours are spent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Fused at load time by the engines: members of one group must share one scheme.
+FUSED_GROUPS = (
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("q_proj", "k_proj", "v_proj"),
+)
+# Tensor-parallel layers whose input dimension is split across ranks.
+ROW_PARALLEL = re.compile(r"\.(down_proj|o_proj)$")
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    name: str
+    group_sizes: frozenset[int]  # accepted INT4 group sizes; -1 means channel-wise
+    marlin_k: int | None  # per-rank input dim must be a multiple of this (Marlin kernels), if any
+    serves_mixed_precision: bool
+
+
+ENGINES = {
+    "sglang": EngineRules("sglang", frozenset({-1, 32, 64, 128}), None, serves_mixed_precision=False),
+    "vllm": EngineRules("vllm", frozenset({-1, 32, 64, 128}), 128, serves_mixed_precision=True),
+}
+
+
+def engine_rules(name: str) -> EngineRules:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
+    return ENGINES[name]
