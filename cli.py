@@ -136,6 +136,54 @@ def verify_cmd(
     raise typer.Exit(0 if report.passed else 1)
 
 
+@app.command("plan")
+def plan_cmd(
+    src: Path = typer.Argument(..., help="Checkpoint folder, or a folder with config.json alone."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe to size the output for."),
+    tp: int = typer.Option(1, help="Tensor-parallel size."),
+    gpu: str = typer.Option("h200", help="h100, h200 or b200 (memory as the GPU reports it)."),
+    gpu_mem: Optional[float] = typer.Option(None, help="GPU memory in GiB (overrides --gpu)."),
+    kv_dtype: str = typer.Option("bf16", help="KV-cache dtype: bf16 or fp8_e4m3."),
+    mem_fraction: float = typer.Option(0.88, help="Share of GPU memory for weights + KV (SGLang --mem-fraction-static)."),
+    context_len: int = typer.Option(32768, help="Context length per request."),
+    page_size: int = typer.Option(64, help="KV-cache page size in tokens."),
+    max_shard_size: str = typer.Option("5GB", help="Output shard cap, as for convert."),
+    deploy: bool = typer.Option(False, "--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 KV) pools."),
+    chart: Path = typer.Option(Path("plan-memory.png"), help="Where --deploy writes its PNG chart."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Size the conversion and the deployment: bytes by component, per-GPU memory, KV capacity."""
+    from quantkit.errors import QuantkitError
+    from quantkit.plan import plan
+
+    try:
+        report = plan(src, recipe, tp, gpu, gpu_mem, kv_dtype, mem_fraction, context_len, page_size,
+                      max_shard_size, deploy, chart)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(report)
+        return
+    where = "shard headers" if report.from_headers else "config.json alone"
+    out.print(f"[bold]{report.source}[/] ({report.family}, {report.attention}), from {where}: {report.total_params:,} parameters")
+    table = Table("component", "parameters", "now", "after" if report.recipe else "")
+    for name, c in report.components.items():
+        table.add_row(name, f"{c.params:,}", _gib(c.bytes_now), _gib(c.bytes_after) if report.recipe else "")
+    table.add_row("[bold]files[/]", "", _gib(report.bytes_now), _gib(report.bytes_after) if report.bytes_after else "")
+    out.print(table)
+    out.print(
+        f"tp={report.tp} on {report.gpu_bytes / 2**30:.1f} GiB GPUs: weights {_gib(report.weights_per_gpu)} per GPU; "
+        f"KV {report.kv_bytes_per_token:,} bytes/token; {report.kv_tokens_per_gpu:,} tokens per GPU = "
+        f"{report.concurrent_requests} requests of {report.context_len:,}"
+    )
+    for pool in report.pools:
+        out.print(f"[bold]{pool.role}[/] pool: weights {_gib(pool.weights_per_gpu)}/GPU, {pool.kv_dtype} KV "
+                  f"{pool.kv_bytes_per_token:,} B/token, {pool.kv_tokens_per_gpu:,} tokens, {pool.concurrent_requests} requests")
+        out.print(f"  {pool.launch}", highlight=False)
+    if report.chart:
+        out.print(f"chart: {report.chart}")
+
+
 @app.command("synth")
 def synth_cmd(
     family: str = typer.Argument(..., help="glm_moe_dsa, deepseek_v3 or llama."),

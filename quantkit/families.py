@@ -95,3 +95,28 @@ def is_linear_weight(name: str, ndim: int) -> bool:
     embedding table or a norm (the same reading llm-compressor's model_free_ptq applies)."""
     module, _, param = name.rpartition(".")
     return param == "weight" and ndim == 2 and not module.endswith("norm") and "embed_tokens" not in module
+
+
+# What real block-FP8 releases keep in BF16: embeddings, lm_head, norms, the router and its
+# bias, the indexer's head weights, the MTP projection and head. Every other Linear is FP8.
+_RELEASE_KEEPS_BF16 = re.compile(
+    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|indexer\.weights_proj|eh_proj|shared_head\.head)"
+)
+
+
+def release_stores_fp8(name: str, ndim: int) -> bool:
+    """Whether a block-FP8 release (DeepSeek-V3, GLM 5.x, Kimi K2 base) stores this tensor as FP8."""
+    return name.endswith(".weight") and ndim == 2 and not _RELEASE_KEEPS_BF16.search(name)
+
+
+def mtp_extra_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a DeepSeek-V3-style MTP layer holds besides a decoder layer's (local names)."""
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    return {
+        "embed_tokens.weight": (vocab, hidden),
+        "enorm.weight": (hidden,),
+        "hnorm.weight": (hidden,),
+        "eh_proj.weight": (hidden, 2 * hidden),
+        "shared_head.norm.weight": (hidden,),
+        "shared_head.head.weight": (vocab, hidden),
+    }

@@ -10,23 +10,18 @@ the decoder layers, sharded with an index, plus tokenizer-side files to be copie
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from quantkit.checkpoint import INDEX_NAME
+from quantkit.families import mtp_extra_shapes, release_stores_fp8
 from quantkit.fp8_block import quantize_fp8_block
 from quantkit.modeling import unfuse_experts
 from quantkit.shard_writer import write_safetensors
 
 FAMILIES = ("glm_moe_dsa", "deepseek_v3", "llama")
 
-# What real block-FP8 releases keep in BF16: embeddings, lm_head, norms, the router and its
-# bias, the indexer's head weights, the MTP projection and head. Everything else Linear is FP8.
-_KEEP_BF16 = re.compile(
-    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|indexer\.weights_proj|eh_proj|shared_head\.head)"
-)
 
 
 def tiny_config(family: str, **overrides) -> dict:
@@ -78,16 +73,11 @@ def _mtp_layer(family: str, cfg_kwargs: dict, seed: int) -> dict[str, torch.Tens
     _, state = _model_state(family, bigger, seed + 7)
     prefix = f"model.layers.{n}."
     layer = {k: v for k, v in state.items() if k.startswith(prefix)}
-    hidden, vocab = cfg_kwargs["hidden_size"], cfg_kwargs["vocab_size"]
     gen = torch.Generator().manual_seed(seed + 11)
-    extra = {
-        "embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-        "enorm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
-        "hnorm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
-        "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.02,
-        "shared_head.norm.weight": 1 + torch.randn(hidden, generator=gen) * 0.1,
-        "shared_head.head.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-    }
+    extra = {}
+    for name, shape in mtp_extra_shapes(cfg_kwargs).items():
+        # norms near 1, projections and embeddings at the init scale of the rest
+        extra[name] = 1 + torch.randn(shape, generator=gen) * 0.1 if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
     layer.update({prefix + k: v.to(torch.bfloat16) for k, v in extra.items()})
     return layer
 
@@ -123,7 +113,7 @@ def build_synthetic(
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(state, key=_layer_sort_key):
         t = state[name]
-        if fp8 and name.endswith(".weight") and t.ndim == 2 and not _KEEP_BF16.search(name):
+        if fp8 and release_stores_fp8(name, t.ndim):
             q, scale_inv = quantize_fp8_block(t)
             tensors[name] = q
             tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale_inv

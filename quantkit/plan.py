@@ -1,0 +1,277 @@
+"""``plan``: what a conversion will weigh and what it buys on the GPUs, before 700 GB are touched.
+
+Works from shard headers when the weights are present, or from config.json alone: the model
+class is built on the meta device and laid out the way releases store it (per-expert tensors,
+block-FP8 where the release has it, the MTP layer). The output size is not estimated: it is
+the size of the exact files ``convert`` would write, from the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantkit.checkpoint import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
+from quantkit.errors import QuantkitError
+from quantkit.families import COMPONENTS, component, detect_family, release_stores_fp8
+
+GIB = 2**30
+# Memory the GPU reports (nvidia-smi's MiB); b200 from its 192 GB datasheet figure.
+GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20, "b200": 192 * 10**9}
+KV_BYTES = {"bf16": 2, "fp8_e4m3": 1}
+REPLICATED = ("norms", "router")  # kept whole on every tensor-parallel rank; the rest is split
+INDEXER_SCALE_BLOCK = 128  # DSA indexer keys: fp8 with one fp32 scale per 128 values
+
+
+@dataclass
+class ComponentSize:
+    params: int = 0
+    bytes_now: int = 0
+    bytes_after: int = 0
+
+
+@dataclass
+class PoolPlan:
+    role: str  # prefill | decode
+    checkpoint: str
+    kv_dtype: str
+    weights_per_gpu: int
+    kv_bytes_per_token: int
+    kv_tokens_per_gpu: int
+    concurrent_requests: int
+    launch: str
+
+
+@dataclass
+class PlanReport:
+    source: str
+    family: str
+    from_headers: bool
+    recipe: str | None
+    components: dict[str, ComponentSize]
+    total_params: int
+    bytes_now: int
+    bytes_after: int | None
+    tp: int
+    gpu_bytes: int
+    mem_fraction: float
+    context_len: int
+    page_size: int
+    attention: str
+    kv_bytes_per_token: int  # per GPU, for the chosen --kv-dtype
+    weights_per_gpu: int  # after conversion when a recipe is given, else now
+    kv_tokens_per_gpu: int
+    concurrent_requests: int
+    pools: list[PoolPlan] = field(default_factory=list)
+    chart: str | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+
+def plan(
+    src: str | os.PathLike,
+    recipe: str | None = None,
+    tp: int = 1,
+    gpu: str | None = "h200",
+    gpu_mem_gib: float | None = None,
+    kv_dtype: str = "bf16",
+    mem_fraction: float = 0.88,
+    context_len: int = 32768,
+    page_size: int = 64,
+    max_shard_size: str = "5GB",
+    deploy: bool = False,
+    chart: str | os.PathLike | None = None,
+    dst_hint: str = "DST",
+) -> PlanReport:
+    from quantkit.checkpoint import open_checkpoint
+    from quantkit.convert import parse_size
+    from quantkit.recipe import load_recipe
+    from quantkit.shard_writer import safetensors_header
+    from quantkit.tensor_plan import plan_conversion
+
+    if kv_dtype not in KV_BYTES:
+        raise QuantkitError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}")
+    gpu_bytes = int(gpu_mem_gib * GIB) if gpu_mem_gib else GPUS.get(gpu or "")
+    if not gpu_bytes:
+        raise QuantkitError(f"unknown GPU {gpu!r} (known: {', '.join(GPUS)}); or give --gpu-mem GiB")
+    root = Path(src)
+    from_headers = any(root.glob("*.safetensors"))
+    ckpt = open_checkpoint(root) if from_headers else virtual_checkpoint(root)
+    config = ckpt.config
+
+    sizes = {name: ComponentSize() for name in COMPONENTS}
+    for info in ckpt.tensors.values():
+        c = sizes[component(info.name, config)]
+        c.bytes_now += info.nbytes
+        if not info.name.endswith(("_scale_inv", "_scale", "_shape")):
+            c.params += info.numel if info.name.rpartition(".")[2] != "weight_packed" else info.numel * 8
+    bytes_now = ckpt.total_bytes if from_headers else sum(i.nbytes for i in ckpt.tensors.values())
+    bytes_after = None
+    if recipe:
+        conversion = plan_conversion(ckpt, load_recipe(recipe), parse_size(max_shard_size))
+        bytes_after = 0
+        for shard in conversion.shards:
+            entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
+            bytes_after += len(safetensors_header(entries, {"format": "pt"})) + shard.nbytes
+            for o in shard.tensors:
+                sizes[component(o.name, config)].bytes_after += o.nbytes
+
+    family = detect_family(config)
+    kv_now = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
+    after = {k: (v.bytes_after if bytes_after is not None else v.bytes_now) for k, v in sizes.items()}
+    now = {k: v.bytes_now for k, v in sizes.items()}
+    weights = weights_per_gpu(after, tp)
+    tokens = kv_tokens(gpu_bytes, mem_fraction, weights, kv_now, page_size)
+    report = PlanReport(
+        source=str(root),
+        family=family.name,
+        from_headers=from_headers,
+        recipe=recipe,
+        components={k: v for k, v in sizes.items() if v.bytes_now},
+        total_params=sum(v.params for v in sizes.values()),
+        bytes_now=bytes_now,
+        bytes_after=bytes_after,
+        tp=tp,
+        gpu_bytes=gpu_bytes,
+        mem_fraction=mem_fraction,
+        context_len=context_len,
+        page_size=page_size,
+        attention=family.attention,
+        kv_bytes_per_token=kv_now,
+        weights_per_gpu=weights,
+        kv_tokens_per_gpu=tokens,
+        concurrent_requests=tokens // context_len,
+        assumptions=ASSUMPTIONS,
+    )
+    if deploy:
+        if not recipe:
+            raise QuantkitError("--deploy needs --recipe: the decode pool serves the converted checkpoint")
+        report.pools = [
+            _pool("prefill", str(root), "bf16", now, config, family, tp, gpu_bytes, mem_fraction, context_len, page_size),
+            _pool("decode", dst_hint, "fp8_e4m3", after, config, family, tp, gpu_bytes, mem_fraction, context_len, page_size),
+        ]
+        report.chart = str(memory_chart(report, Path(chart or "plan-memory.png")))
+    return report
+
+
+ASSUMPTIONS = [
+    "weights: every component is split evenly over the tensor-parallel ranks except norms and the "
+    "router, which every rank holds whole",
+    "KV cache: GQA caches K and V per KV head (heads split over ranks, at least one per rank); MLA caches one "
+    "latent of kv_lora_rank + qk_rope_head_dim per token and layer, replicated on every rank",
+    "sparse-attention (DSA) models add an indexer key cache per token and layer: index_head_dim FP8 bytes "
+    "plus one fp32 scale per 128",
+    "usable memory = GPU memory x mem_fraction (SGLang's --mem-fraction-static); the rest is the reserve "
+    "for activations, CUDA graphs and the allocator",
+    "KV tokens are rounded down to whole pages of --page-size tokens; MTP draft layers' cache is not counted",
+]
+
+
+def kv_bytes_per_token(config: dict, family, tp: int, dtype_bytes: int) -> int:
+    layers = int(config.get("num_hidden_layers", 0))
+    if family.attention == "mla":
+        per_layer = (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])) * dtype_bytes
+        if family.has_indexer and config.get("index_head_dim"):
+            d = int(config["index_head_dim"])
+            per_layer += d + 4 * math.ceil(d / INDEXER_SCALE_BLOCK)
+        return per_layer * layers
+    heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return 2 * math.ceil(heads / tp) * head_dim * dtype_bytes * layers
+
+
+def weights_per_gpu(component_bytes: dict[str, int], tp: int) -> int:
+    return sum(b if name in REPLICATED else math.ceil(b / tp) for name, b in component_bytes.items())
+
+
+def kv_tokens(gpu_bytes: int, mem_fraction: float, weights: int, kv_per_token: int, page_size: int) -> int:
+    free = gpu_bytes * mem_fraction - weights
+    if free <= 0 or kv_per_token <= 0:
+        return 0
+    return int(free // kv_per_token) // page_size * page_size
+
+
+def _pool(role, checkpoint, kv_dtype, component_bytes, config, family, tp, gpu_bytes, frac, ctx, page) -> PoolPlan:
+    weights = weights_per_gpu(component_bytes, tp)
+    kv = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
+    tokens = kv_tokens(gpu_bytes, frac, weights, kv, page)
+    engine_kv = "auto" if kv_dtype == "bf16" else kv_dtype
+    launch = (
+        f"python -m sglang.launch_server --model-path {checkpoint} --tp {tp} --kv-cache-dtype {engine_kv} "
+        f"--mem-fraction-static {frac} --context-length {ctx} --page-size {page} --disaggregation-mode {role}"
+    )
+    return PoolPlan(role, checkpoint, kv_dtype, weights, kv, tokens, tokens // ctx, launch)
+
+
+def memory_chart(report: PlanReport, path: Path) -> Path:
+    """A PNG of per-GPU memory in each pool: weights, KV cache, reserve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [f"{p.role}\n{p.kv_dtype} KV" for p in report.pools]
+    weights = [p.weights_per_gpu / GIB for p in report.pools]
+    kv = [p.kv_tokens_per_gpu * p.kv_bytes_per_token / GIB for p in report.pools]
+    total = report.gpu_bytes / GIB
+    reserve = [total - w - k for w, k in zip(weights, kv)]
+    ax.bar(names, weights, label="weights", color="#4c72b0")
+    ax.bar(names, kv, bottom=weights, label="KV cache", color="#55a868")
+    ax.bar(names, reserve, bottom=[w + k for w, k in zip(weights, kv)], label="reserve", color="#c8c8c8")
+    for i, p in enumerate(report.pools):
+        ax.text(i, total * 1.01, f"{p.kv_tokens_per_gpu:,} tokens\n{p.concurrent_requests} x {report.context_len:,}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_ylim(0, total * 1.2)
+    ax.set_title(f"{report.family}, tp={report.tp}: per-GPU memory by pool")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def virtual_checkpoint(root: Path) -> Checkpoint:
+    """The tensors a release of this config would hold, from config.json alone (no data)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.families import mtp_extra_shapes
+    from quantkit.modeling import model_config, unfuse_experts
+
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise QuantkitError("config.json not found", root)
+    config = json.loads(config_path.read_text())
+    n_mtp = int(config.get("num_nextn_predict_layers") or 0)
+    layers = int(config["num_hidden_layers"])
+    shaped = dict(config, num_hidden_layers=layers + n_mtp)
+    for per_layer in ("mlp_layer_types", "layer_types", "indexer_types"):
+        if isinstance(shaped.get(per_layer), list):
+            shaped[per_layer] = shaped[per_layer] + shaped[per_layer][-1:] * n_mtp
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch."))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(shaped), dtype=dtype)
+    state = unfuse_experts(dict(model.state_dict()))
+    for index in range(layers, layers + n_mtp):
+        for name, shape in mtp_extra_shapes(config).items():
+            state[f"model.layers.{index}.{name}"] = torch.empty(shape, dtype=dtype, device="meta")
+    fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    tensors: dict[str, TensorInfo] = {}
+    for name, t in state.items():
+        shape = tuple(t.shape)
+        if fp8 and release_stores_fp8(name, len(shape)):
+            tensors[name] = _virtual(name, "F8_E4M3", shape)
+            scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+            tensors[scale_name] = _virtual(scale_name, "F32", (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)))
+        else:
+            tensors[name] = _virtual(name, TORCH_TO_CODE[str(t.dtype).removeprefix("torch.")], shape)
+    return Checkpoint(root=root, config=config, shards=[], tensors=tensors, other_files=[])
+
+
+def _virtual(name: str, code: str, shape: tuple[int, ...]) -> TensorInfo:
+    return TensorInfo(name, "(config only)", code, shape, 0, math.prod(shape) * DTYPES[code][0])

@@ -1,0 +1,80 @@
+"""plan: exact output sizes, capacity arithmetic, the two-pool deployment."""
+
+import shutil
+
+import pytest
+from conftest import tree_bytes  # noqa: F401  (shared fixtures live in conftest)
+from typer.testing import CliRunner
+
+from cli import app
+from quantkit.convert import convert
+from quantkit.families import detect_family
+from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu
+from quantkit.recipe import RECIPES_DIR
+
+FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
+
+
+def output_bytes(folder):
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_prediction_equals_convert_for_every_recipe(synthetic, tmp_path, recipe):
+    family = next(f for prefix, f in FAMILY_OF.items() if recipe.startswith(prefix))
+    src = synthetic[family]
+    convert(src, tmp_path / "out", recipe, device="cpu", max_shard_size="1MB")
+    real = output_bytes(tmp_path / "out")
+    from_headers = plan(src, recipe, max_shard_size="1MB")
+    assert from_headers.from_headers and from_headers.bytes_after == real  # exact: the same plan
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(src / "config.json", config_only)
+    from_config = plan(config_only, recipe, max_shard_size="1MB")
+    assert not from_config.from_headers
+    assert abs(from_config.bytes_after - real) / real < 0.005
+
+
+def test_kv_bytes_per_token_by_attention_type():
+    mla = {"num_hidden_layers": 78, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert kv_bytes_per_token(mla, detect_family({"model_type": "deepseek_v3"}), 8, 2) == 78 * 576 * 2
+    dsa = dict(mla, index_head_dim=128)
+    # the DSA indexer adds 128 FP8 bytes + one fp32 scale per token and layer; replicated, tp does not divide it
+    assert kv_bytes_per_token(dsa, detect_family({"model_type": "glm_moe_dsa"}), 8, 1) == 78 * (576 + 132)
+    gqa = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    llama = detect_family({"model_type": "llama"})
+    assert kv_bytes_per_token(gqa, llama, 1, 2) == 2 * 3 * 64 * 2 * 30
+    assert kv_bytes_per_token(gqa, llama, 8, 2) == 2 * 1 * 64 * 2 * 30  # at least one KV head per rank
+
+
+def test_capacity_arithmetic():
+    assert weights_per_gpu({"routed_experts": 800, "norms": 10, "router": 6}, 8) == 100 + 10 + 6
+    # 100 GiB usable - 60 GiB weights = 40 GiB of KV at 1 MiB per token, in pages of 64
+    assert kv_tokens(125 * GIB, 0.8, 60 * GIB, 2**20, 64) == 40960
+    assert kv_tokens(10 * GIB, 0.5, 6 * GIB, 1000, 64) == 0
+
+
+def test_fp8_kv_doubles_capacity(synthetic):
+    bf16 = plan(synthetic["glm_moe_dsa"], "glm5-int4-experts-g32", kv_dtype="bf16", gpu_mem_gib=1)
+    fp8 = plan(synthetic["glm_moe_dsa"], "glm5-int4-experts-g32", kv_dtype="fp8_e4m3", gpu_mem_gib=1)
+    assert fp8.kv_bytes_per_token < bf16.kv_bytes_per_token
+    assert fp8.kv_tokens_per_gpu > 1.5 * bf16.kv_tokens_per_gpu
+
+
+def test_deploy_pools_and_chart(synthetic, tmp_path):
+    chart = tmp_path / "memory.png"
+    report = plan(synthetic["glm_moe_dsa"], "glm5-int4-experts-g128-fp8", tp=2, gpu_mem_gib=1, deploy=True, chart=chart)
+    prefill, decode = report.pools
+    assert prefill.kv_dtype == "bf16" and decode.kv_dtype == "fp8_e4m3"
+    assert decode.weights_per_gpu < prefill.weights_per_gpu  # g128 INT4 experts beat FP8 ones
+    assert decode.kv_tokens_per_gpu > prefill.kv_tokens_per_gpu
+    assert "--disaggregation-mode prefill" in prefill.launch and "--kv-cache-dtype fp8_e4m3" in decode.launch
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli(synthetic, tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(synthetic["deepseek_v3"]), "-r", "deepseek-v3-int4-experts-g32", "--tp", "2"])
+    assert r.exit_code == 0, r.output
+    assert "routed_experts" in r.output and "tokens per GPU" in r.output
+    r = CliRunner().invoke(app, ["plan", str(synthetic["llama"]), "--gpu", "a100"])
+    assert r.exit_code == 1 and "unknown GPU" in r.output
