@@ -94,11 +94,14 @@ def test_truncated_shard_is_a_structure_finding(glm_out):
     assert "truncated" in report.findings[0].message
 
 
-def test_group_size_an_engine_lacks(converted):
-    no64 = EngineRules("no-g32", frozenset({-1, 64, 128}), None, True)
-    report = verify(converted["glm_moe_dsa"], engine=no64, smoke=False)
-    engine = rules_of(report, "engine")
-    assert engine and all("group size 32" in f.message for f in engine)
+def test_group_64_on_an_engine_without_it(synthetic, tmp_path):
+    recipe = tmp_path / "g64.yaml"
+    recipe.write_text(resolve_recipe_path("glm5-int4-experts-g32").read_text().replace("group_size: 32", "group_size: 64"))
+    convert(synthetic["glm_moe_dsa"], tmp_path / "out", recipe, device="cpu")
+    assert verify(tmp_path / "out", smoke=False).passed  # sglang and vllm take 64
+    no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), None, True)
+    engine = rules_of(verify(tmp_path / "out", engine=no64, smoke=False), "engine")
+    assert len(engine) == 3 * 8 * 3 and all("group size 64" in f.message for f in engine)
 
 
 def test_gate_and_up_with_different_schemes(synthetic, tmp_path):
@@ -168,3 +171,14 @@ def test_smollm2_conversion_passes(tmp_path):
     assert report.passed, report.findings[:3]
     # vLLM's Marlin kernels need 128-multiples of input per rank; SmolLM2's 576 is not
     assert any("Marlin" in f.rule for f in verify(tmp_path / "int4", engine="vllm", smoke=False).findings)
+
+
+def test_large_models_get_the_meta_structure_check(converted, glm_out, monkeypatch):
+    import quantkit.verify as v
+
+    monkeypatch.setattr(v, "SMOKE_MAX_PARAMS", 0)  # treat the tiny model as too large to load
+    healthy = verify(converted["glm_moe_dsa"])
+    assert healthy.passed and healthy.checked["meta structure check"] == 1 and "forward pass" not in healthy.checked
+    rewrite(glm_out, "model.layers.1.self_attn.o_proj.weight", lambda w: w[:, :128].contiguous())
+    smoke = rules_of(verify(glm_out), "smoke")
+    assert any("model.layers.1.self_attn.o_proj.weight: shape [256, 128]" in f.message for f in smoke)
