@@ -23,6 +23,14 @@ def synthetic(tmp_path_factory):
     return {family: build_synthetic(family, root / family, seed=1) for family in RECIPE_FOR}
 
 
+@pytest.fixture(scope="session")
+def smollm2_bf16(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct as a BF16 safetensors checkpoint (built once per session)."""
+    from quantkit.real_models import smollm2_checkpoint
+
+    return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2") / "bf16")
+
+
 @pytest.fixture
 def glm_copy(synthetic, tmp_path) -> Path:
     """A private copy of the synthetic GLM-5 checkpoint, free to damage."""

@@ -9,16 +9,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.convert import convert
 from quantkit.numerics import tensor_errors
-from quantkit.real_models import smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("smollm2")
-    src = smollm2_checkpoint(root / "bf16")
-    dst = root / "int4"
-    convert(src, dst, "dense-w4a16-g32", device="cpu")
-    return src, dst
+def smollm2(smollm2_bf16, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("smollm2-int4") / "int4"
+    convert(smollm2_bf16, dst, "dense-w4a16-g32", device="cpu")
+    return smollm2_bf16, dst
 
 
 def greedy(folder, prompt, n=12):

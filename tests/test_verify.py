@@ -162,10 +162,8 @@ def test_cli_exit_codes_and_json(synthetic, converted, glm_out):
     assert report["passed"] is False and {f["check"] for f in report["findings"]} == {"numbers", "integrity"}
 
 
-def test_smollm2_conversion_passes(tmp_path):
-    from quantkit.real_models import smollm2_checkpoint
-
-    src = smollm2_checkpoint(tmp_path / "bf16")
+def test_smollm2_conversion_passes(smollm2_bf16, tmp_path):
+    src = smollm2_bf16
     convert(src, tmp_path / "int4", "dense-w4a16-g32", device="cpu")
     report = verify(tmp_path / "int4", source=src, engine="sglang")
     assert report.passed, report.findings[:3]
