@@ -103,6 +103,37 @@ def convert_cmd(
     )
 
 
+@app.command("calibrate-kv")
+def calibrate_kv_cmd(
+    model: Path = typer.Argument(..., help="A BF16 source or a quantkit output (with its tokenizer)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write a copy with scales here (hard links where possible)."),
+    in_place: bool = typer.Option(False, "--in-place", help="Add the scales to MODEL itself."),
+    data: Optional[Path] = typer.Option(None, help="Calibration text: .jsonl (see --text-field) or .txt; default: built-in GSM8K-train text."),
+    text_field: str = typer.Option("text", help="The JSONL field holding the text."),
+    samples: int = typer.Option(512, help="Sequences to run."),
+    seq_len: int = typer.Option(2048, help="Tokens per sequence."),
+    batch_size: int = typer.Option(4, help="Sequences per forward pass."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """FP8 (e4m3) KV-cache scales: absmax / 448 of what the engine caches (MLA: the latent), layer by layer."""
+    from quantkit.calibrate_kv import calibrate_kv
+    from quantkit.errors import QuantkitError
+
+    try:
+        result = calibrate_kv(model, out_dir, in_place, data, text_field, samples, seq_len, batch_size, device)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    ks = [k for k, _ in result.scales.values()]
+    out.print(
+        f"[green]done[/] {result.out}: {result.layers} layers ({result.attention}), {result.samples} x {result.seq_len} tokens "
+        f"in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {result.json_path}, {result.plot_path}"
+    )
+
+
 @app.command("verify")
 def verify_cmd(
     path: Path = typer.Argument(..., help="A converted checkpoint."),

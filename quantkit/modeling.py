@@ -157,7 +157,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
     from transformers import AutoModelForCausalLM
 
     ckpt = open_checkpoint(path)
-    state = fuse_experts(dequantized_state_dict(path, dtype), ckpt.config)
+    # FP8 KV-cache scales belong to the engine's cache, not to the model's parameters
+    weights = {k: v for k, v in dequantized_state_dict(path, dtype).items() if not k.endswith((".k_scale", ".v_scale"))}
+    state = fuse_experts(weights, ckpt.config)
     cfg = model_config(ckpt.config)
     dtype = dtype or next(iter(state.values())).dtype
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
