@@ -215,6 +215,35 @@ def plan_cmd(
         out.print(f"chart: {report.chart}")
 
 
+@app.command("gate")
+def gate_cmd(
+    baseline: Path = typer.Argument(..., help="The baseline's run directory."),
+    candidate: Path = typer.Argument(..., help="The candidate's run directory."),
+    suite: Optional[Path] = typer.Option(None, help="Suite file (default: eval/suites/release.yaml)."),
+    margin: Optional[float] = typer.Option(None, help="One margin in accuracy points for every task (overrides the suite)."),
+    report: Optional[Path] = typer.Option(None, help="Write verdict.json, report.md, report.html and forest.png here."),
+    json_out: bool = typer.Option(False, "--json", help="Print the verdict as JSON."),
+) -> None:
+    """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
+    from quantkit.errors import QuantkitError
+    from quantkit.gate import CannotCompare, gate
+    from quantkit.reporting import markdown
+
+    try:
+        result = gate(baseline, candidate, suite, margin, report)
+    except CannotCompare as exc:
+        err.print(f"[bold red]cannot compare:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    except QuantkitError as exc:
+        err.print(f"[bold red]cannot compare:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if json_out:
+        _emit_json(result)
+    else:
+        out.print(markdown(result), highlight=False)
+    raise typer.Exit(0 if result.passed else 1)
+
+
 @app.command("synth")
 def synth_cmd(
     family: str = typer.Argument(..., help="glm_moe_dsa, deepseek_v3 or llama."),

@@ -1,0 +1,122 @@
+"""gate: the paired interval covers the truth at its nominal rate; identical runs pass; a 3-point drop fails."""
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from quantkit.gate import CannotCompare, gate, paired_interval
+
+
+def write_run(folder, outcomes: dict[str, list[int]], model="m", engine="hf", logprobs=None):
+    (folder / "samples").mkdir(parents=True)
+    meta = {"model": model, "model_checksums": {"model-00001-of-00001.safetensors": model * 8},
+            "engine": {"name": engine, "version": "1"}, "tasks": {t: {"num_fewshot": 0} for t in outcomes}}
+    (folder / "run.json").write_text(json.dumps(meta))
+    for task, values in outcomes.items():
+        rows = []
+        for i, v in enumerate(values):
+            row = {"item_id": f"{task}-{i}", "prompt_hash": f"h{i}", "correct": v}
+            if logprobs is not None:
+                row.update(choice_logprobs=logprobs[task][i], gold=0)
+            rows.append(json.dumps(row))
+        (folder / "samples" / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def suite(tmp_path, tasks, margin=1.0, **extra):
+    path = tmp_path / "suite.yaml"
+    lines = [f"{k}: {v}" for k, v in extra.items()] + ["tasks:"] + [f"  {t}: {{margin: {margin}}}" for t in tasks]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def paired(n, p_base, flip_down, flip_up, rng):
+    """Baseline correct with p_base; the candidate loses an item with flip_down, gains one with flip_up."""
+    base, cand = [], []
+    for _ in range(n):
+        b = rng.random() < p_base
+        c = (not (rng.random() < flip_down)) if b else (rng.random() < flip_up)
+        base.append(int(b))
+        cand.append(int(c))
+    return base, cand
+
+
+def test_interval_coverage_is_near_nominal():
+    rng = random.Random(7)
+    n, p, down, up = 800, 0.6, 0.10, 0.12  # true delta = 100 * (0.4 * 0.12 - 0.6 * 0.10) = -1.2 points
+    true = 100 * ((1 - p) * up - p * down)
+    z, hits, trials = 1.959964, 0, 600
+    for _ in range(trials):
+        b, c = paired(n, p, down, up, rng)
+        _, lo, hi = paired_interval([100 * (y - x) for x, y in zip(b, c)], z)
+        hits += lo <= true <= hi
+    assert 0.92 <= hits / trials <= 0.98
+
+
+def test_identical_runs_pass_and_a_three_point_drop_fails(tmp_path):
+    rng = random.Random(1)
+    base = [int(rng.random() < 0.6) for _ in range(3000)]
+    s = suite(tmp_path, ["arc_easy"], margin=1.0, correction="none")
+    a = write_run(tmp_path / "a", {"arc_easy": base}, model="base")
+    same = write_run(tmp_path / "same", {"arc_easy": base}, model="cand")
+    report = gate(a, same, s)
+    assert report.passed and report.tasks[0].delta == 0 and report.tasks[0].low == 0
+    worse = base[:]
+    ones = [i for i, v in enumerate(worse) if v]
+    for i in rng.sample(ones, 90):  # 90 of 3000 items: a 3-point drop
+        worse[i] = 0
+    bad = write_run(tmp_path / "bad", {"arc_easy": worse}, model="cand")
+    report = gate(a, bad, s, report_dir=tmp_path / "report")
+    t = report.tasks[0]
+    assert not report.passed and t.delta == pytest.approx(-3.0) and t.high < 0
+    assert report.candidate_checksums == {"model-00001-of-00001.safetensors": "cand" * 8}
+    assert {p.split("/")[-1] for p in report.report_files} == {"verdict.json", "report.md", "report.html", "forest.png"}
+    assert "FAIL" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_power_statement_and_continuous_signals(tmp_path):
+    rng = random.Random(3)
+    b, c = paired(1000, 0.55, 0.15, 0.18, rng)
+    logp = {"arc_easy": [[rng.gauss(-1, 0.3), -2.0, -2.5, -3.0] for _ in b]}
+    logp_c = {"arc_easy": [[x[0] + rng.gauss(0, 0.05), *x[1:]] for x in logp["arc_easy"]]}
+    s = suite(tmp_path, ["arc_easy"], decide_by="[accuracy, loglik]")
+    report = gate(write_run(tmp_path / "a", {"arc_easy": b}, logprobs=logp), write_run(tmp_path / "b", {"arc_easy": c}, logprobs=logp_c), s)
+    t = report.tasks[0]
+    names = {sig.name for sig in t.signals}
+    assert {"delta loglik of the correct answer", "choice flip rate", "KL(baseline || candidate) of choices"} <= names
+    # n items certify a margin of z * sqrt(discordance / n); 1 point needs z^2 * discordance / 0.01^2 items
+    z = 1.959964  # one task: no correction
+    assert t.certifiable_margin == pytest.approx(z * 100 * (t.flip_rate / 100 / t.n) ** 0.5, rel=1e-5)
+    assert t.items_for_margin == pytest.approx(z * z * (t.flip_rate / 100) * 1e4, rel=1e-3)
+    assert t.items_for_margin > t.n  # 1,000 items cannot certify 1 point at ~17 % discordance
+    assert t.decided_by == ["accuracy", "loglik"]
+
+
+def test_cannot_compare(tmp_path):
+    s = suite(tmp_path, ["arc_easy"])
+    a = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
+    other_engine = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]}, engine="sglang")
+    with pytest.raises(CannotCompare, match="engine.name"):
+        gate(a, other_engine, s)
+    fewer = write_run(tmp_path / "c", {"arc_easy": [1, 0]})
+    with pytest.raises(CannotCompare, match="different items"):
+        gate(a, fewer, s)
+    r = CliRunner().invoke(app, ["gate", str(a), str(other_engine), "--suite", str(s)])
+    assert r.exit_code == 2 and "engine.name" in r.output
+    missing = CliRunner().invoke(app, ["gate", str(a), str(tmp_path / "nope"), "--suite", str(s)])
+    assert missing.exit_code == 2 and "no run.json" in missing.output
+
+
+def test_cli_exit_codes(tmp_path):
+    rng = random.Random(5)
+    base = [int(rng.random() < 0.6) for _ in range(2000)]
+    s = suite(tmp_path, ["arc_easy"])
+    a = write_run(tmp_path / "a", {"arc_easy": base})
+    ok = CliRunner().invoke(app, ["gate", str(a), str(write_run(tmp_path / "b", {"arc_easy": base})), "--suite", str(s)])
+    assert ok.exit_code == 0 and "PASS" in ok.output
+    drop = [0 if (v and i % 10 == 0) else v for i, v in enumerate(base)]
+    bad = CliRunner().invoke(app, ["gate", str(a), str(write_run(tmp_path / "c", {"arc_easy": drop})), "--suite", str(s), "--json"])
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["passed"] is False
