@@ -215,6 +215,35 @@ def plan_cmd(
         out.print(f"chart: {report.chart}")
 
 
+@app.command("eval")
+def eval_cmd(
+    model: Path = typer.Argument(..., help="Checkpoint folder (with its tokenizer)."),
+    engine: str = typer.Option("hf", help="hf: transformers in-process through lm-eval."),
+    tasks: str = typer.Option("gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro", help="Comma-separated tasks."),
+    data_dir: Optional[Path] = typer.Option(None, help="Local data in the hub's schema (e.g. shared/evaldata); else the hub."),
+    limit: Optional[int] = typer.Option(None, help="First N items of each task."),
+    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8_e4m3 to emulate an FP8 KV cache with calibrated scales."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="RUN_DIR (default runs/<model name>)."),
+    batch_size: int = typer.Option(8, help="Requests per forward pass."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
+    from quantkit.errors import QuantkitError
+    from quantkit.evaluation import evaluate
+
+    try:
+        result = evaluate(model, engine, [t.strip() for t in tasks.split(",") if t.strip()], data_dir, limit,
+                          kv_cache_dtype, out_dir, batch_size)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    for task, s in result.scores.items():
+        out.print(f"{task}: {s['score']:.2f} ± {s['stderr']:.2f} (n={s['n']})")
+    out.print(f"run directory: {result.run_dir} ({result.seconds:.0f}s)")
+
+
 @app.command("gate")
 def gate_cmd(
     baseline: Path = typer.Argument(..., help="The baseline's run directory."),
@@ -240,7 +269,7 @@ def gate_cmd(
     if json_out:
         _emit_json(result)
     else:
-        out.print(markdown(result), highlight=False)
+        out.print(markdown(result), highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(0 if result.passed else 1)
 
 

@@ -1,0 +1,72 @@
+"""eval (hf engine) on the real SmolLM2 over local benchmark data, feeding the gate."""
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from quantkit.calibrate_kv import calibrate_kv
+from quantkit.errors import QuantkitError
+from quantkit.evaluation import evaluate
+from quantkit.gate import CannotCompare, gate
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+
+
+@pytest.fixture(scope="module")
+def arc_run(smollm2_bf16, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "bf16"
+    return evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=run, batch_size=8)
+
+
+def test_run_directory_holds_items_scores_and_provenance(arc_run):
+    run = Path(arc_run.run_dir)
+    arc = [json.loads(line) for line in (run / "samples" / "arc_easy.jsonl").read_text().splitlines()]
+    assert [r["item_id"] for r in arc] == [f"arc_easy-{i}" for i in range(6)]
+    assert all(len(r["choice_logprobs"]) >= 3 and r["correct"] in (0, 1) and r["prompt_hash"] for r in arc)
+    assert sum(r["correct"] for r in arc) == round(arc_run.scores["arc_easy"]["score"] * 6 / 100)
+    gsm = [json.loads(line) for line in (run / "samples" / "gsm8k.jsonl").read_text().splitlines()]
+    assert len(gsm) == 6 and all("response" in r for r in gsm)
+    meta = json.loads((run / "run.json").read_text())
+    assert set(meta) >= {"model_checksums", "engine", "lm_eval_version", "tasks", "chat_template_sha256", "seeds"}
+    assert meta["tasks"]["arc_easy"]["num_fewshot"] == 0 and len(meta["tasks"]["arc_easy"]["config_sha256"]) == 64
+    assert json.loads((run / "results.json").read_text())["arc_easy"]["n"] == 6
+
+
+def test_rerun_resumes_from_cached_requests(arc_run, smollm2_bf16):
+    run = Path(arc_run.run_dir)
+    db = next((run / "cache").glob("requests*.db"))
+    rows = sqlite3.connect(db).execute("select count(*) from unnamed").fetchone()[0]
+    assert rows >= 6 * 4  # every loglikelihood request of the first run is cached
+    again = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=run, batch_size=8)
+    assert again.scores == arc_run.scores
+
+
+def test_identical_runs_gate_and_other_settings_do_not(arc_run, smollm2_bf16, tmp_path):
+    same = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "same")
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("correction: bonferroni\ntasks:\n  arc_easy: {margin: 1.0}\n  gsm8k: {margin: 1.0}\n")
+    report = gate(arc_run.run_dir, same.run_dir, suite)
+    assert report.passed and all(t.delta == 0 for t in report.tasks)
+    calibrated = calibrate_kv(smollm2_bf16, out=tmp_path / "kv", samples=4, seq_len=128)
+    fp8 = evaluate(calibrated.out, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "fp8",
+                   kv_cache_dtype="fp8_e4m3")
+    assert fp8.scores["arc_easy"]["n"] == 6
+    with pytest.raises(CannotCompare, match="kv_cache_dtype"):
+        gate(arc_run.run_dir, fp8.run_dir, suite)
+
+
+def test_bad_input(smollm2_bf16, arc_run, tmp_path, synthetic):
+    with pytest.raises(QuantkitError, match="unknown task hellaswag"):
+        evaluate(smollm2_bf16, tasks=["hellaswag"], data_dir=DATA, out=tmp_path / "a")
+    with pytest.raises(QuantkitError, match="missing data file for task arc_easy"):
+        evaluate(smollm2_bf16, tasks=["arc_easy"], data_dir=tmp_path, out=tmp_path / "b")
+    with pytest.raises(QuantkitError, match="no k_scale/v_scale"):
+        evaluate(smollm2_bf16, tasks=["arc_easy"], data_dir=DATA, limit=2, out=tmp_path / "c", kv_cache_dtype="fp8_e4m3")
+    from quantkit.convert import convert
+
+    other = tmp_path / "int4"
+    convert(smollm2_bf16, other, "dense-w4a16-g32", device="cpu")
+    with pytest.raises(QuantkitError, match="holds a run with a different model"):
+        evaluate(other, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=arc_run.run_dir)
