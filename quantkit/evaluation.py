@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.shard_writer import sha256_file
 
 # Zero-shot tasks over local files in the hub's schema. {data} is the data directory.
 TASKS = {
@@ -77,14 +78,6 @@ class EvalResult:
     seconds: float
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def task_yaml(task: str, data_dir: Path) -> tuple[str, str]:
     """The lm-eval YAML for a task over local data, and a hash that names the data by content."""
     import yaml
@@ -113,7 +106,7 @@ def task_yaml(task: str, data_dir: Path) -> tuple[str, str]:
         doc["metric_list"] = [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
                                "ignore_case": True, "ignore_punctuation": False,
                                "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}]
-    identity = dict(doc, dataset_kwargs={"data_sha256": _file_sha256(data)})
+    identity = dict(doc, dataset_kwargs={"data_sha256": sha256_file(data)})
     return yaml.safe_dump(doc, sort_keys=False), hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -125,7 +118,7 @@ def model_checksums(path: Path) -> dict[str, str]:
     shards = open_checkpoint(path).shards
     if manifest is not None and all(s.name in manifest.shards for s in shards):
         return {s.name: manifest.shards[s.name].sha256 for s in shards}
-    return {s.name: _file_sha256(s.path) for s in shards}
+    return {s.name: sha256_file(s.path) for s in shards}
 
 
 def evaluate(

