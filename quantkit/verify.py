@@ -18,7 +18,6 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from quantkit.checkpoint import Checkpoint, TensorReader, open_checkpoint
 from quantkit.describe import config_mismatches

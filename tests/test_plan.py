@@ -3,7 +3,6 @@
 import shutil
 
 import pytest
-from conftest import tree_bytes  # noqa: F401  (shared fixtures live in conftest)
 from typer.testing import CliRunner
 
 from cli import app
