@@ -255,15 +255,12 @@ def gate_cmd(
 ) -> None:
     """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
     from quantkit.errors import QuantkitError
-    from quantkit.gate import CannotCompare, gate
+    from quantkit.gate import gate
     from quantkit.reporting import markdown
 
     try:
         result = gate(baseline, candidate, suite, margin, report)
-    except CannotCompare as exc:
-        err.print(f"[bold red]cannot compare:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
-    except QuantkitError as exc:
+    except QuantkitError as exc:  # CannotCompare, or a suite that cannot be read: no verdict either way
         err.print(f"[bold red]cannot compare:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     if json_out:

@@ -257,7 +257,8 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = _with_kv_scheme(config.get("quantization_config"))
-    _replace_file(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    # a new inode: DST's files may be hard links to the model's, which must stay untouched
+    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
 
     manifest = load_manifest(dst)
     if manifest is not None:
@@ -268,15 +269,8 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
     record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
               "fp8_max": 448.0, "engine_note": "SGLang/vLLM load these; DSA/NSA sparse-attention backends ignore them",
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
-    _replace_file(json_path, (json.dumps(record, indent=2) + "\n").encode())
+    write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention)
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write under a new inode: DST's files may be hard links to the model's, which stay untouched."""
-    from quantkit.shard_writer import write_bytes_atomic
-
-    write_bytes_atomic(path, data)
 
 
 def _with_kv_scheme(qc: dict | None) -> dict:

@@ -45,7 +45,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
     for info in ckpt.tensors.values():
         summary = components[component(info.name, config)]
         summary.bytes += info.nbytes
-        params, encoding = _params_and_encoding(info, ckpt)
+        params, encoding = tensor_params(info, ckpt)
         if params:
             summary.params += params
             summary.encodings[encoding] = summary.encodings.get(encoding, 0) + params
@@ -75,7 +75,8 @@ def _describe_quantization(qc: dict) -> str:
     return f"{method} ({qc.get('format', '?')})"
 
 
-def _params_and_encoding(info: TensorInfo, ckpt: Checkpoint) -> tuple[int, str]:
+def tensor_params(info: TensorInfo, ckpt: Checkpoint) -> tuple[int, str]:
+    """(parameters a tensor stores, their encoding); scales and shapes store none."""
     module, _, param = info.name.rpartition(".")
     if param in _SCALE_PARAMS:
         return 0, ""

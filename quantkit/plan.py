@@ -86,6 +86,7 @@ def plan(
 ) -> PlanReport:
     from quantkit.checkpoint import open_checkpoint
     from quantkit.convert import parse_size
+    from quantkit.inspection import tensor_params
     from quantkit.recipe import load_recipe
     from quantkit.shard_writer import safetensors_header
     from quantkit.tensor_plan import plan_conversion
@@ -104,8 +105,7 @@ def plan(
     for info in ckpt.tensors.values():
         c = sizes[component(info.name, config)]
         c.bytes_now += info.nbytes
-        if not info.name.endswith(("_scale_inv", "_scale", "_shape")):
-            c.params += info.numel if info.name.rpartition(".")[2] != "weight_packed" else info.numel * 8
+        c.params += tensor_params(info, ckpt)[0]
     bytes_now = ckpt.total_bytes if from_headers else sum(i.nbytes for i in ckpt.tensors.values())
     bytes_after = None
     if recipe:
