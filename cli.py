@@ -218,24 +218,35 @@ def plan_cmd(
 @app.command("eval")
 def eval_cmd(
     model: Path = typer.Argument(..., help="Checkpoint folder (with its tokenizer)."),
-    engine: str = typer.Option("hf", help="hf: transformers in-process through lm-eval."),
+    engine: str = typer.Option("hf", help="hf: transformers in-process; sglang: start a server for the run; openai: a running server at --url."),
     tasks: str = typer.Option("gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro", help="Comma-separated tasks."),
     data_dir: Optional[Path] = typer.Option(None, help="Local data in the hub's schema (e.g. shared/evaldata); else the hub."),
     limit: Optional[int] = typer.Option(None, help="First N items of each task."),
-    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8_e4m3 to emulate an FP8 KV cache with calibrated scales."),
+    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; sglang: passed on)."),
+    tp: int = typer.Option(1, help="sglang: tensor-parallel size."),
+    ep: int = typer.Option(1, help="sglang: expert-parallel size."),
+    mem_fraction: Optional[float] = typer.Option(None, help="sglang: --mem-fraction-static."),
+    engine_cmd: Optional[str] = typer.Option(None, help="sglang: how to start it [env QUANTKIT_SGLANG_CMD; default: python -m sglang.launch_server]."),
+    engine_timeout: float = typer.Option(1800, help="sglang: seconds to wait for the server to become healthy."),
+    url: Optional[str] = typer.Option(None, help="openai: base URL of the server (http://host:port)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="RUN_DIR (default runs/<model name>)."),
-    batch_size: int = typer.Option(8, help="Requests per forward pass."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    batch_size: int = typer.Option(8, help="Requests per forward pass (hf) or in flight (servers)."),
+    json_out: bool = typer.Option(False, "--json", help="No progress bars; print JSON."),
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
     from quantkit.errors import QuantkitError
     from quantkit.evaluation import evaluate
 
     try:
-        result = evaluate(model, engine, [t.strip() for t in tasks.split(",") if t.strip()], data_dir, limit,
-                          kv_cache_dtype, out_dir, batch_size)
+        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+            result = evaluate(model, engine, [t.strip() for t in tasks.split(",") if t.strip()], data_dir, limit,
+                              kv_cache_dtype, out_dir, batch_size, tp, ep, url, engine_cmd, mem_fraction,
+                              engine_timeout, on_progress)
     except QuantkitError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]: the engine was stopped; re-run with the same --out to resume")
+        raise typer.Exit(130)
     if json_out:
         _emit_json(result)
         return
@@ -324,6 +335,39 @@ class _bytes_progress:
 
         def update(done: int, total: int) -> None:
             self.progress.update(self.task, completed=done, total=total)
+
+        return update
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+class _items_progress:
+    """One Rich progress row per task: items done, items/s and ETA; nothing off a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TimeRemainingColumn
+        from rich.text import Text
+
+        class ItemsPerSecond(ProgressColumn):
+            def render(self, task):
+                return Text(f"{task.speed or 0:.1f} items/s")
+
+        self.progress = Progress("[bold]{task.description}", BarColumn(), MofNCompleteColumn(), ItemsPerSecond(),
+                                 TimeRemainingColumn(), console=err)
+        self.progress.start()
+        self.rows: dict[str, int] = {}
+
+        def update(task: str, done: int, total: int) -> None:
+            if task not in self.rows:
+                self.rows[task] = self.progress.add_task(task, total=total)
+            self.progress.update(self.rows[task], completed=done, total=total)
 
         return update
 

@@ -17,7 +17,8 @@ import hashlib
 import json
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,9 @@ def model_checksums(path: Path) -> dict[str, str]:
     return {s.name: sha256_file(s.path) for s in shards}
 
 
+ENGINES = ("hf", "sglang", "openai")
+
+
 def evaluate(
     model: str | os.PathLike,
     engine: str = "hf",
@@ -130,22 +134,32 @@ def evaluate(
     kv_cache_dtype: str = "auto",
     out: str | os.PathLike | None = None,
     batch_size: int = 8,
+    tp: int = 1,
+    ep: int = 1,
+    url: str | None = None,
+    engine_cmd: str | None = None,
+    mem_fraction: float | None = None,
+    health_timeout: float = 1800.0,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalResult:
-    import lm_eval
-    import torch
-    import transformers
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from transformers import AutoTokenizer
+    """Score MODEL on the tasks with one engine and keep every item's outcome in RUN_DIR.
 
-    from quantkit.checkpoint import open_checkpoint
-    from quantkit.families import detect_family
-    from quantkit.kv_cache import kv_hooks, kv_scales_of
-    from quantkit.modeling import load_model
+    ``hf`` runs the model in-process; ``sglang`` starts a server from ``engine_cmd`` for the run and
+    stops it after; ``openai`` talks to a running server at ``url``. For the server engines MODEL is
+    still the local checkpoint: its tokenizer splits context from continuation, its checksums go
+    into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from quantkit.serving import EngineError
+    from quantkit.task_progress import TaskProgress
 
     started = time.perf_counter()
-    if engine != "hf":
-        raise QuantkitError(f"engine {engine!r} is not available in this version (hf only)")
+    if engine not in ENGINES:
+        raise QuantkitError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    if engine == "openai" and not url:
+        raise QuantkitError("--engine openai needs --url of a running OpenAI-compatible server")
     tasks = tasks or list(TASKS)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -153,9 +167,12 @@ def evaluate(
     if kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     path = Path(model)
-    scales = kv_scales_of(path) if kv_cache_dtype == "fp8_e4m3" else None
-    if kv_cache_dtype == "fp8_e4m3" and not scales:
-        raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first", path)
+    if engine == "hf":
+        from quantkit.kv_cache import kv_scales_of
+
+        scales = kv_scales_of(path) if kv_cache_dtype == "fp8_e4m3" else None
+        if kv_cache_dtype == "fp8_e4m3" and not scales:
+            raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first", path)
     run_dir = Path(out) if out else Path("runs") / path.name
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
     (run_dir / "tasks").mkdir(exist_ok=True)
@@ -172,48 +189,161 @@ def evaluate(
         names.append(f"quantkit_{task}")
         task_hashes[task] = digest
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _tokenizer(path)
     template = getattr(tokenizer, "chat_template", None) or ""
-    config = open_checkpoint(path).config
     provenance = {
         "model": str(path.resolve()),
         "model_checksums": model_checksums(path),
-        "engine": {"name": engine, "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
-                   "args": {"kv_cache_dtype": kv_cache_dtype, "batch_size": batch_size, "dtype": "model"}},
+        "model_family": model_family(path),
         "lm_eval_version": lm_eval.__version__,
         "tasks": {t: {"config_sha256": task_hashes[t], "num_fewshot": 0, "limit": limit} for t in tasks},
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "chat_template_applied": False,
         "seeds": SEEDS,
     }
-    _check_same_run(run_dir, provenance)
-    (run_dir / "run.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    _check_same_family(run_dir, provenance)
 
-    lm_model = load_model(path)
-    lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size)
-    manager = TaskManager(include_path=str(run_dir / "tasks")) if data_dir is not None else TaskManager()
-    emulate = kv_hooks(lm_model, detect_family(config).attention, scales=scales) if scales else nullcontext()
-    with emulate:
-        result = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, log_samples=True,
-                                         use_cache=str(run_dir / "cache" / "requests"), **SEEDS)
-    scores = {}
-    for task, name in zip(tasks, names):
-        metric = TASKS[task]["metric"]
-        rows = result["samples"][name]
-        key = next(k for k in result["results"][name] if k.startswith(metric + ",") and "stderr" not in k)
-        scores[task] = {"score": 100 * result["results"][name][key],
-                        "stderr": 100 * result["results"][name].get(key.replace(",", "_stderr,", 1), 0.0), "n": len(rows)}
-        with open(run_dir / "samples" / f"{task}.jsonl", "w") as f:
-            for row in rows:
-                record = {"item_id": f"{task}-{row['doc_id']}", "prompt_hash": row["prompt_hash"],
-                          "correct": int(row[metric] > 0), "gold": row["target"] if isinstance(row["target"], int) else None}
-                if TASKS[task]["output_type"] == "multiple_choice":
-                    record["choice_logprobs"] = [float(r[0]) for r in row["filtered_resps"]]
-                else:
-                    record["response"] = row["filtered_resps"][0] if row["filtered_resps"] else ""
-                f.write(json.dumps(record) + "\n")
+    server = None
+    with ExitStack() as stack:
+        if engine == "hf":
+            lm, provenance["engine"] = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
+        else:
+            if engine == "sglang":
+                from quantkit.serving import (
+                    LaunchSpec,
+                    SGLangServer,
+                    engine_command,
+                    free_port,
+                )
+
+                spec = LaunchSpec(str(path.resolve()), tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype,
+                                  mem_fraction=mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
+                server = SGLangServer(engine_command(engine_cmd), spec, run_dir / "server.log", health_timeout)
+                url = stack.enter_context(server)
+                settings = spec.settings()
+            else:
+                settings = {"kv_cache_dtype": kv_cache_dtype}
+            lm, provenance["engine"], provenance["server"] = _api_engine(engine, url, path, batch_size, settings)
+        provenance["engine"]["args"]["batch_size"] = batch_size
+        _check_same_run(run_dir, provenance)
+        (run_dir / "run.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+        manager = TaskManager(include_path=str(run_dir / "tasks")) if data_dir is not None else TaskManager()
+        scores = {}
+        for task, name in zip(tasks, names):
+            try:
+                result = lm_eval.simple_evaluate(
+                    model=TaskProgress(lm, task, on_progress), tasks=[name], task_manager=manager, limit=limit,
+                    log_samples=True, use_cache=str(run_dir / "cache" / "requests"), **SEEDS)
+            except (QuantkitError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                if engine == "hf":
+                    raise
+                if server is not None:
+                    server.check_alive(f"during task {task}")
+                raise EngineError(f"{url} failed during task {task}: {_cause(exc)}") from exc
+            scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name])
     (run_dir / "results.json").write_text(json.dumps(scores, indent=2) + "\n")
     return EvalResult(str(path), str(run_dir), engine, scores, time.perf_counter() - started)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"no usable tokenizer ({exc})", path) from exc
+
+
+def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scales, stack: ExitStack):
+    import torch
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    from quantkit.checkpoint import open_checkpoint
+    from quantkit.families import detect_family
+    from quantkit.kv_cache import kv_hooks
+    from quantkit.modeling import load_model
+
+    lm_model = load_model(path)
+    if scales:
+        stack.enter_context(kv_hooks(lm_model, detect_family(open_checkpoint(path).config).attention, scales=scales))
+    engine = {"name": "hf", "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
+              "args": {"kv_cache_dtype": kv_cache_dtype, "dtype": "model"}}
+    return HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size), engine
+
+
+def _api_engine(engine: str, url: str, path: Path, batch_size: int, settings: dict):
+    """lm-eval's completions client on a server; the server's own report of its version."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from quantkit.serving import base_url, get_json, served_model
+
+    url = base_url(url)
+    served = served_model(url)
+    try:
+        version = get_json(f"{url}/get_server_info").get("version", "unknown")
+    except Exception:  # noqa: BLE001 - only SGLang has this endpoint; any other answer means "unknown"
+        version = "unknown"
+    lm = LocalCompletionsAPI(model=served, base_url=f"{url}/v1/completions", tokenizer=str(path),
+                             tokenizer_backend="huggingface", num_concurrent=batch_size, max_retries=3,
+                             seed=SEEDS["random_seed"])
+    engine_meta = {"name": engine, "version": str(version), "args": dict(settings)}
+    return lm, engine_meta, {"url": url, "served_model": served}
+
+
+def _cause(exc: BaseException) -> str:
+    """The reason at the bottom of lm-eval's retry wrapping, on one line."""
+    chain = [exc]
+    while True:
+        nxt = chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
+        if nxt is None or nxt in chain:
+            break
+        chain.append(nxt)
+    for e in chain:
+        if isinstance(e, json.JSONDecodeError) or type(e).__name__ in ("JSONDecodeError", "ContentTypeError"):
+            return f"malformed JSON in the response ({type(e).__name__}: {e})"[:300]
+    return f"{type(chain[-1]).__name__}: {chain[-1]}".replace("\n", " ")[:300]
+
+
+def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) -> dict:
+    metric = TASKS[task]["metric"]
+    key = next(k for k in results if k.startswith(metric + ",") and "stderr" not in k)
+    stderr = results.get(key.replace(",", "_stderr,", 1))
+    score = {"score": 100 * float(results[key]), "stderr": 100 * float(stderr) if isinstance(stderr, (int, float)) else 0.0,
+             "n": len(rows)}
+    with open(run_dir / "samples" / f"{task}.jsonl", "w") as f:
+        for row in rows:
+            record = {"item_id": f"{task}-{row['doc_id']}", "prompt_hash": row["prompt_hash"],
+                      "correct": int(row[metric] > 0), "gold": row["target"] if isinstance(row["target"], int) else None}
+            if TASKS[task]["output_type"] == "multiple_choice":
+                record["choice_logprobs"] = [float(r[0]) for r in row["filtered_resps"]]
+            else:
+                record["response"] = row["filtered_resps"][0] if row["filtered_resps"] else ""
+            f.write(json.dumps(record) + "\n")
+    return score
+
+
+def model_family(path: Path) -> dict:
+    """What makes two checkpoints the same model up to quantization: architecture and tokenizer."""
+    from quantkit.checkpoint import open_checkpoint
+
+    config = open_checkpoint(path).config
+    tokenizer = path / "tokenizer.json"
+    return {"model_type": config.get("model_type"), "architectures": config.get("architectures"),
+            "tokenizer_sha256": sha256_file(tokenizer) if tokenizer.is_file() else None}
+
+
+def _check_same_family(run_dir: Path, provenance: dict) -> None:
+    previous = run_dir / "run.json"
+    if previous.is_file():
+        old = json.loads(previous.read_text()).get("model_family")
+        if old is not None and old != provenance["model_family"]:
+            raise QuantkitError(f"holds a run of another model family ({old.get('model_type')}, tokenizer "
+                                f"{str(old.get('tokenizer_sha256'))[:12]}) than {provenance['model']} "
+                                f"({provenance['model_family']['model_type']}); use another --out", run_dir)
 
 
 def _check_same_run(run_dir: Path, provenance: dict) -> None:

@@ -22,8 +22,8 @@ from statistics import NormalDist
 
 from quantkit.errors import QuantkitError
 
-# Provenance fields allowed to differ between baseline and candidate: what is being compared.
-MODEL_FIELDS = ("model", "model_checksums", "created")
+# Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
+MODEL_FIELDS = ("model", "model_checksums", "created", "server")
 DEFAULT_SUITE = Path(__file__).resolve().parent.parent / "eval" / "suites" / "release.yaml"
 
 
@@ -126,6 +126,9 @@ def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
             continue
         va, vb = a.get(key), b.get(key)
         if isinstance(va, dict) and isinstance(vb, dict):
+            if va.get("name") != vb.get("name"):  # another engine: its settings differ as a matter of course
+                diffs.append(f"{prefix}{key}.name: {va.get('name')!r} vs {vb.get('name')!r}")
+                continue
             diffs += provenance_differences(va, vb, f"{prefix}{key}.")
         elif va != vb:
             diffs.append(f"{prefix}{key}: {va!r} vs {vb!r}")

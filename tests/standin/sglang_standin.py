@@ -1,0 +1,172 @@
+"""A stand-in for ``python -m sglang.launch_server``: same arguments, same HTTP endpoints.
+
+It serves /health, /get_server_info, /v1/models and /v1/completions (echo + logprobs for
+log-likelihoods, greedy generation with stop strings), and like SGLang it runs a second process
+(its "scheduler") in its process group. ``--standin-mode`` plants the failures the tests need:
+
+  model            real log-probabilities from the checkpoint (quantkit's loader, CPU)
+  hash             fake but deterministic log-probabilities; no model is loaded
+  never-healthy    /health answers 503 forever
+  exit-at-start    prints an error and exits 3 before listening
+  crash-after=N    answers N completion requests, then dies (exit 9)
+  malformed        /v1/completions answers a body that is not JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="sglang-standin")
+    p.add_argument("--model-path", "--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--ep-size", "--expert-parallel-size", "--ep", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"])
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--random-seed", type=int)
+    p.add_argument("--standin-mode", default="model")
+    p.add_argument("--standin-pids", help="Write the pids of this server and its scheduler here.")
+    return p.parse_args(argv)
+
+
+class Scorer:
+    """Log-probabilities and greedy text, from the real model or from a hash."""
+
+    def __init__(self, model_path: str, real: bool):
+        self.real = real
+        if real:
+            import torch
+            from transformers import AutoTokenizer
+
+            from quantkit.modeling import load_model
+
+            self.torch = torch
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = load_model(model_path).eval()
+        self.lock = threading.Lock()
+
+    def echo_logprobs(self, tokens: list[int]) -> tuple[list, list]:
+        """Per position j>0: log p(token j | tokens before), and the top-1 alternative."""
+        if not self.real:
+            lps = [None] + [-((hashlib.sha256(bytes(str(tokens[: j + 1]), "ascii")).digest()[0] % 50) / 10)
+                            for j in range(1, len(tokens))]
+            return lps, [None] + [{str(t): lp} for t, lp in zip(tokens[1:], lps[1:])]
+        torch = self.torch
+        with self.lock, torch.no_grad():
+            logits = self.model(torch.tensor([tokens])).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        lps, tops = [None], [None]
+        for j in range(1, len(tokens)):
+            lp = float(logp[j - 1, tokens[j]])
+            best = int(logp[j - 1].argmax())
+            lps.append(lp)
+            tops.append({self.tokenizer.decode([best]): float(logp[j - 1, best]), self.tokenizer.decode([tokens[j]]): lp})
+        return lps, tops
+
+    def generate(self, tokens: list[int], max_tokens: int, stop: list[str]) -> str:
+        if not self.real:
+            return f" The answer is {int(hashlib.sha256(str(tokens).encode()).hexdigest(), 16) % 100}."
+        torch = self.torch
+        ids = list(tokens)
+        text = ""
+        with self.lock, torch.no_grad():
+            for _ in range(max_tokens):
+                nxt = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+                if nxt == self.tokenizer.eos_token_id:
+                    break
+                ids.append(nxt)
+                text = self.tokenizer.decode(ids[len(tokens):])
+                if any(s in text for s in stop):
+                    break
+        for s in stop:
+            if s in text:
+                text = text[: text.index(s)]
+        return text
+
+
+def serve(args) -> None:
+    mode, _, count = args.standin_mode.partition("=")
+    if mode == "exit-at-start":
+        print("RuntimeError: stand-in told to fail at start", flush=True)
+        sys.exit(3)
+    scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    if args.standin_pids:
+        with open(args.standin_pids, "w") as f:
+            f.write(f"{os.getpid()} {scheduler.pid}\n")
+
+    def shutdown(signum, frame):
+        scheduler.kill()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, shutdown)
+    scorer = Scorer(args.model_path, real=(mode == "model"))
+    served = {"n": 0}
+    name = os.path.basename(os.path.normpath(args.model_path))
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *a):
+            print(fmt % a, flush=True)
+
+        def _send(self, code: int, body: bytes, kind: str = "application/json"):
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(503 if mode == "never-healthy" else 200, b"")
+            elif self.path == "/get_server_info":
+                self._send(200, json.dumps({"version": "0.0-standin", "tp_size": args.tp_size,
+                                            "kv_cache_dtype": args.kv_cache_dtype}).encode())
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode())
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                return self._send(404, b"{}")
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            served["n"] += 1
+            if mode == "crash-after" and served["n"] > int(count):
+                print("Fatal: stand-in scheduler died", flush=True)
+                scheduler.kill()
+                os._exit(9)
+            if mode == "malformed":
+                return self._send(200, b"<html>upstream error</html>")
+            prompts = request["prompt"]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                prompts = [prompts]
+            choices = []
+            for i, prompt in enumerate(prompts):
+                tokens = prompt if isinstance(prompt, list) else scorer.tokenizer(prompt)["input_ids"]
+                if request.get("echo"):
+                    lps, tops = scorer.echo_logprobs(tokens + [tokens[-1]])  # + one "generated" token
+                    choice = {"text": "", "logprobs": {"token_logprobs": lps, "top_logprobs": tops}}
+                else:
+                    stop = request.get("stop") or []
+                    choice = {"text": scorer.generate(tokens, int(request.get("max_tokens", 16)),
+                                                      [stop] if isinstance(stop, str) else stop)}
+                choices.append(dict(choice, index=i, finish_reason="stop"))
+            self._send(200, json.dumps({"object": "text_completion", "model": name, "choices": choices}).encode())
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    print(f"The server is fired up and ready to roll! ({args.standin_mode})", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    serve(parse_args(sys.argv[1:]))
