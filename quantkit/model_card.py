@@ -1,0 +1,139 @@
+"""The model card (README.md) of a published checkpoint: hub metadata, the gate, how to serve it.
+
+The YAML front matter comes from huggingface_hub's ``ModelCardData`` (``model-index`` included);
+the rest is Markdown built from what the files say: the manifest (source, recipe), the gate
+verdict, the candidate's run provenance, and inspect's parameter count, which reads packed INT4
+as the weights it stands for (the hub's counter sees one int32 per eight weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import quantkit
+
+# task -> (hub dataset, name, config, metric)
+DATASETS = {
+    "gsm8k": ("openai/gsm8k", "GSM8K", "main", "exact_match"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "ARC-Easy", "accuracy"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "ARC-Challenge", "accuracy"),
+    "mmlu": ("cais/mmlu", "MMLU", "all", "accuracy"),
+    "mmlu_pro": ("TIGER-Lab/MMLU-Pro", "MMLU-Pro", None, "accuracy"),
+}
+H200_BYTES = 141 * 10**9
+
+
+def front_matter(source_card: Path | None) -> dict:
+    """The YAML header of a card, or {} (a source without a card, or with none at its top)."""
+    import yaml
+
+    if source_card is None or not source_card.is_file():
+        return {}
+    text = source_card.read_text(errors="replace")
+    if not text.startswith("---"):
+        return {}
+    head = text[3:].split("\n---", 1)[0]
+    try:
+        data = yaml.safe_load(head)
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def serving_tp(total_bytes: int) -> int:
+    """Fewest H200s (a power of two) whose memory holds the weights with 30 % left for the KV cache."""
+    need = max(1, math.ceil(total_bytes / (0.7 * H200_BYTES)))
+    return 1 << (need - 1).bit_length()
+
+
+def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | None = None) -> str:
+    from huggingface_hub import EvalResult, ModelCardData
+
+    from quantkit.inspection import inspect_checkpoint
+    from quantkit.manifest import load_manifest
+
+    manifest = load_manifest(dst)
+    source = Path(manifest.source_path) if manifest else None
+    source_meta = front_matter(source / "README.md" if source else None)
+    after = inspect_checkpoint(dst)
+    before = inspect_checkpoint(source) if source and (source / "config.json").is_file() else None
+    config = json.loads((dst / "config.json").read_text())
+    fp8_kv = bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
+    name = repo.removeprefix("file://").rstrip("/").split("/")[-1] if repo.startswith("file://") else repo
+
+    tags = ["quantkit", "compressed-tensors", "int4", "w4a16"] + (["fp8-kv-cache"] if fp8_kv else [])
+    if after.family != "llama":
+        tags.append("mixture-of-experts")
+    results = []
+    for t in (verdict or {}).get("tasks", []):
+        dataset, pretty, subset, metric = DATASETS.get(t["task"], (t["task"], t["task"], None, "accuracy"))
+        results.append(EvalResult(task_type="text-generation", dataset_type=dataset, dataset_name=pretty,
+                                  dataset_config=subset, dataset_split="test", metric_type=metric,
+                                  metric_value=round(t["candidate"], 2)))
+    data = ModelCardData(
+        license=source_meta.get("license"),
+        base_model=base_model or source_meta.get("base_model"),
+        tags=tags,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        model_name=name,
+        eval_results=results or None,
+    )
+
+    lines = ["---", data.to_yaml().strip(), "---", "", f"# {name}", ""]
+    recipe = manifest.recipe_name if manifest else "unknown"
+    lines += [f"INT4 group-quantized ([compressed-tensors](https://github.com/vllm-project/compressed-tensors) "
+              f"`pack-quantized`) conversion of `{base_model or source_meta.get('base_model') or (source.name if source else 'the source')}` "
+              f"made with quantkit {quantkit.__version__}, recipe `{recipe}`"
+              + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
+    lines += _gate_section(verdict)
+    tp = serving_tp(after.total_bytes)
+    lines += ["## Serving", "", "SGLang:", "", "```bash",
+              f"python -m sglang.launch_server --model-path {name} --tp-size {tp}"
+              + (" --kv-cache-dtype fp8_e4m3" if fp8_kv else ""), "```", "", "vLLM:", "", "```bash",
+              f"vllm serve {name} --tensor-parallel-size {tp}" + (" --kv-cache-dtype fp8" if fp8_kv else ""), "```", "",
+              f"(`{tp}` is the fewest H200s that hold the weights with 30 % of memory left for the KV cache; "
+              "`quantkit plan` sizes a deployment exactly.)", ""]
+    lines += ["## Size", "", "| | parameters | bytes on disk |", "|---|---|---|"]
+    if before is not None:
+        lines.append(f"| source | {before.total_params:,} | {before.total_bytes / 1e9:.3f} GB |")
+    lines.append(f"| this checkpoint | {after.total_params:,} | {after.total_bytes / 1e9:.3f} GB |")
+    lines += ["", "The parameter count is the true one: each packed int32 holds eight INT4 weights, which the "
+              "hub's counter reads as one parameter.", ""]
+    lines += _provenance_section(manifest, verdict)
+    return "\n".join(lines) + "\n"
+
+
+def _gate_section(verdict: dict | None) -> list[str]:
+    if verdict is None:
+        return ["## Evaluation", "", "**Not gated.** This checkpoint was published with `--force-ungated`: no "
+                "comparison against the original model vouches for its accuracy.", ""]
+    lines = ["## Release gate: PASS", "",
+             f"Paired non-inferiority test against the original on the same items, {verdict['confidence']:.2%} "
+             f"intervals per task ({verdict['correction']} correction).", "",
+             "| benchmark | n | original | this model | delta | interval | margin | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in verdict["tasks"]:
+        lines.append(f"| {t['task']} | {t['n']} | {t['baseline']:.2f} | {t['candidate']:.2f} | {t['delta']:+.2f} | "
+                     f"[{t['low']:+.2f}, {t['high']:+.2f}] | -{t['margin']:g} | {'pass' if t['passed'] else 'FAIL'} |")
+    return lines + [""]
+
+
+def _provenance_section(manifest, verdict: dict | None) -> list[str]:
+    lines = ["## Provenance", "", f"- quantkit {quantkit.__version__}"]
+    if manifest is not None:
+        lines += [f"- source fingerprint `{manifest.source_fingerprint}`",
+                  f"- recipe `{manifest.recipe_name}` (sha256 `{manifest.recipe_sha256[:16]}…`)"]
+    for role in ("baseline", "candidate"):
+        run = Path((verdict or {}).get(role, "")) / "run.json"
+        if verdict and run.is_file():
+            meta = json.loads(run.read_text())
+            engine = meta.get("engine", {})
+            lines.append(f"- {role} evaluated with {engine.get('name')} ({engine.get('version')}), "
+                         f"lm-eval {meta.get('lm_eval_version')}")
+    if verdict:
+        checksums = verdict.get("candidate_checksums", {})
+        lines.append(f"- gated shards: {len(checksums)}, sha256 in `quantkit-manifest.json`")
+    return lines + [""]

@@ -1,0 +1,147 @@
+"""publish: only what was gated ships; the card tells the truth; the token never shows."""
+
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from quantkit.convert import convert
+from quantkit.evaluation import model_checksums
+from quantkit.gate import gate
+from quantkit.inspection import inspect_checkpoint
+from quantkit.publish import PublishRefused, publish
+from test_gate import suite, write_run
+
+SECRET = "hf_quantkitTESTtoken0123456789abcdef"
+
+
+@pytest.fixture
+def gated(synthetic, tmp_path):
+    """A converted GLM-5-shaped checkpoint and a passing gate verdict over its shards."""
+    dst = tmp_path / "int4"
+    convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu")
+    base = write_run(tmp_path / "base", {"arc_easy": [1, 0, 1, 1] * 50})
+    cand = write_run(tmp_path / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
+    meta = json.loads((cand / "run.json").read_text())
+    meta["model_checksums"] = model_checksums(dst)
+    (cand / "run.json").write_text(json.dumps(meta))
+    gate(base, cand, suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
+    return dst, tmp_path / "gate" / "verdict.json"
+
+
+def test_publish_to_a_local_folder_with_a_truthful_card(gated, synthetic, tmp_path):
+    dst, verdict = gated
+    target = tmp_path / "hub" / "org" / "glm5-int4"
+    result = publish(dst, f"file://{target}", verdict, base_model="zai-org/GLM-5.2")
+    shipped = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
+    assert shipped == sorted(f["name"] for f in result.files)
+    assert "README.md" in shipped and "quantkit-manifest.json" in shipped and "config.json" in shipped
+    for name in shipped:
+        assert (target / name).read_bytes() == (dst / name).read_bytes()
+
+    card = (target / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == "zai-org/GLM-5.2" and "int4" in meta["tags"]
+    assert meta["model-index"][0]["results"][0]["metrics"][0] == {"type": "accuracy", "value": 75.0}
+    assert "| arc_easy | 200 | 75.00 | 75.00 | +0.00 |" in card
+    assert "python -m sglang.launch_server --model-path glm5-int4 --tp-size 1" in card
+    assert "vllm serve glm5-int4" in card
+    assert f"| this checkpoint | {inspect_checkpoint(dst).total_params:,} |" in card
+    assert f"| source | {inspect_checkpoint(synthetic['glm_moe_dsa']).total_params:,} |" in card
+    assert "recipe `glm5-int4-experts-g32`" in card
+
+    before = {p: p.stat().st_mtime_ns for p in target.rglob("*")}
+    publish(dst, f"file://{target}", verdict, base_model="zai-org/GLM-5.2")  # a re-run copies nothing again
+    assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
+
+
+def test_a_shard_changed_after_gating_is_refused(gated, tmp_path):
+    dst, verdict = gated
+    shard = sorted(dst.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PublishRefused, match=f"{shard.name}: changed since it was gated"):
+        publish(dst, f"file://{tmp_path / 'out'}", verdict)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ungated_failed_or_foreign_verdicts_are_refused(gated, synthetic, tmp_path):
+    dst, verdict = gated
+    with pytest.raises(PublishRefused, match="no gate verdict given"):
+        publish(dst, f"file://{tmp_path / 'out'}")
+    failed = json.loads(verdict.read_text())
+    failed["passed"] = False
+    failed["tasks"][0]["passed"] = False
+    (tmp_path / "failed.json").write_text(json.dumps(failed))
+    with pytest.raises(PublishRefused, match=r"the gate failed \(arc_easy\)"):
+        publish(dst, f"file://{tmp_path / 'out'}", tmp_path / "failed.json")
+    other = tmp_path / "other"
+    convert(synthetic["glm_moe_dsa"], other, "glm5-int4-experts-g128-fp8", device="cpu")
+    with pytest.raises(PublishRefused, match="changed since it was gated"):
+        publish(other, f"file://{tmp_path / 'out'}", verdict)
+    assert not (tmp_path / "out").exists()
+
+    result = publish(dst, f"file://{tmp_path / 'out'}", force_ungated=True)
+    assert not result.gated and "**Not gated.**" in (tmp_path / "out" / "README.md").read_text()
+
+
+class RecordingHub:
+    """Stands in for huggingface_hub.HfApi at the network boundary: records what would be sent."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kw):
+        self.calls.append(("create_repo", repo_id, kw))
+
+    def create_branch(self, repo_id, **kw):
+        self.calls.append(("create_branch", repo_id, kw))
+
+    def upload_large_folder(self, repo_id, folder_path, **kw):
+        files = sorted(p.relative_to(folder_path).as_posix() for p in __import__("pathlib").Path(folder_path).rglob("*")
+                       if p.is_file())
+        self.calls.append(("upload_large_folder", repo_id, dict(kw, files=files)))
+
+
+def test_hub_upload_calls_in_order_and_the_token_never_shows(gated, tmp_path, capsys, monkeypatch):
+    dst, verdict = gated
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    hub = RecordingHub()
+    result = publish(dst, "org/glm5-int4", verdict, private=True, revision="int4-g32", api=hub)
+    assert [c[0] for c in hub.calls] == ["create_repo", "create_branch", "upload_large_folder"]
+    assert hub.calls[0][2] == {"repo_type": "model", "private": True, "exist_ok": True}
+    assert hub.calls[1][2]["branch"] == "int4-g32"
+    upload = hub.calls[2][2]
+    assert upload["revision"] == "int4-g32" and upload["repo_type"] == "model"
+    assert "README.md" in upload["files"] and set(f["name"] for f in result.files) <= set(upload["files"])
+
+    out = CliRunner().invoke(app, ["publish", str(dst), "--repo", "org/glm5-int4", "--gate", str(verdict), "--dry-run"],
+                             env={"HF_TOKEN": SECRET})
+    assert out.exit_code == 0, out.output
+    assert "dry run" in out.output and "model-index" in out.output and "model-00001-of-00001.safetensors" in out.output
+    captured = capsys.readouterr()
+    for text in (out.output, captured.out, captured.err):
+        assert SECRET not in text
+    for path in dst.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_dry_run_changes_nothing_and_oversized_files_are_refused(gated, tmp_path):
+    dst, verdict = gated
+    (dst / "README.md").unlink(missing_ok=True)
+    result = publish(dst, "org/x", verdict, dry_run=True)
+    assert result.dry_run and "README.md" in {f["name"] for f in result.files}
+    assert not (dst / "README.md").exists()
+    copy = tmp_path / "big"
+    shutil.copytree(dst, copy)
+    with open(copy / "extra.bin", "wb") as f:  # sparse: no disk is used
+        f.truncate(50 * 10**9 + 1)
+    with pytest.raises(Exception, match="extra.bin: 50.0 GB is over the hub's 50 GB file limit"):
+        publish(copy, "org/x", force_ungated=True, dry_run=True)
+    os.remove(copy / "extra.bin")
