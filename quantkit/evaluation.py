@@ -188,6 +188,7 @@ def evaluate(
         (run_dir / "tasks" / f"quantkit_{task}.yaml").write_text(text)
         names.append(f"quantkit_{task}")
         task_hashes[task] = digest
+    task_meta = {t: {"config_sha256": task_hashes[t], "num_fewshot": 0, "limit": limit} for t in tasks}
 
     tokenizer = _tokenizer(path)
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -196,7 +197,7 @@ def evaluate(
         "model_checksums": model_checksums(path),
         "model_family": model_family(path),
         "lm_eval_version": lm_eval.__version__,
-        "tasks": {t: {"config_sha256": task_hashes[t], "num_fewshot": 0, "limit": limit} for t in tasks},
+        "tasks": task_meta,
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "chat_template_applied": False,
         "seeds": SEEDS,
@@ -220,11 +221,8 @@ def evaluate(
                                   mem_fraction=mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
                 server = SGLangServer(engine_command(engine_cmd), spec, run_dir / "server.log", health_timeout)
                 url = stack.enter_context(server)
-                settings = spec.settings()
-            else:
-                settings = {"kv_cache_dtype": kv_cache_dtype}
+            settings = engine_settings(engine, kv_cache_dtype, batch_size, tp, ep, mem_fraction)
             lm, provenance["engine"], provenance["server"] = _api_engine(engine, url, path, batch_size, settings)
-        provenance["engine"]["args"]["batch_size"] = batch_size
         _check_same_run(run_dir, provenance)
         (run_dir / "run.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
@@ -246,6 +244,43 @@ def evaluate(
             scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name])
     (run_dir / "results.json").write_text(json.dumps(scores, indent=2) + "\n")
     return EvalResult(str(path), str(run_dir), engine, scores, time.perf_counter() - started)
+
+
+def engine_settings(engine: str, kv_cache_dtype: str, batch_size: int, tp: int = 1, ep: int = 1,
+                    mem_fraction: float | None = None) -> dict:
+    """The engine settings a run records and two compared runs must share (engine.args in run.json)."""
+    if engine == "sglang":
+        from quantkit.serving import LaunchSpec
+
+        settings = LaunchSpec("", tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, mem_fraction=mem_fraction,
+                              seed=SEEDS["random_seed"]).settings()
+    elif engine == "hf":
+        settings = {"kv_cache_dtype": kv_cache_dtype, "dtype": "model"}
+    else:
+        settings = {"kv_cache_dtype": kv_cache_dtype}
+    return dict(settings, batch_size=batch_size)
+
+
+def finished_run(run_dir: str | os.PathLike, model: str | os.PathLike, engine: str, tasks: list[str],
+                 data_dir: str | os.PathLike | None, limit: int | None, settings: dict) -> bool:
+    """Whether RUN_DIR already holds this evaluation, complete: same shards, tasks and engine settings.
+
+    Decided without starting an engine, so a 700 GB baseline is not served again to be reused.
+    """
+    run_dir = Path(run_dir)
+    try:
+        meta = json.loads((run_dir / "run.json").read_text())
+        scores = json.loads((run_dir / "results.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    expected_tasks = {t: {"config_sha256": task_yaml(t, Path(data_dir))[1] if data_dir else f"lm-eval builtin {t}",
+                          "num_fewshot": 0, "limit": limit} for t in tasks}
+    return (meta.get("model_checksums") == model_checksums(Path(model))
+            and meta.get("tasks") == expected_tasks
+            and meta.get("engine", {}).get("name") == engine
+            and meta.get("engine", {}).get("args") == settings
+            and set(scores) == set(tasks)
+            and all((run_dir / "samples" / f"{t}.jsonl").is_file() for t in tasks))
 
 
 def _tokenizer(path: Path):
@@ -271,7 +306,7 @@ def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scal
     if scales:
         stack.enter_context(kv_hooks(lm_model, detect_family(open_checkpoint(path).config).attention, scales=scales))
     engine = {"name": "hf", "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
-              "args": {"kv_cache_dtype": kv_cache_dtype, "dtype": "model"}}
+              "args": engine_settings("hf", kv_cache_dtype, batch_size)}
     return HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size), engine
 
 

@@ -38,6 +38,9 @@ class Suite:
     correction: str = "bonferroni"
     decide_by: list[str] = field(default_factory=lambda: ["accuracy"])
     loglik_margin: float = 0.1  # nats: the correct answer's log-likelihood may drop this much at most
+    # Provenance fields the candidate may change besides its weights, because they ship with it
+    # (the decode pool's FP8 KV cache: engine.args.kv_cache_dtype). Printed with every verdict.
+    may_differ: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class GateReport:
     correction: str
     tasks: list[TaskVerdict]
     candidate_checksums: dict[str, str]
+    allowed_differences: list[str] = field(default_factory=list)  # by the suite's may_differ
     report_files: list[str] = field(default_factory=list)
 
 
@@ -97,7 +101,7 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
     if unknown:
         raise QuantkitError(f"decide_by: unknown signal {sorted(unknown)[0]} (accuracy, loglik)", path)
     return Suite(tasks, float(doc.get("alpha", 0.05)), str(doc.get("correction", "bonferroni")), decide,
-                 float(doc.get("loglik_margin", 0.1)))
+                 float(doc.get("loglik_margin", 0.1)), [str(f) for f in doc.get("may_differ") or []])
 
 
 def load_run(run_dir: Path) -> tuple[dict, dict[str, dict[str, dict]]]:
@@ -154,7 +158,9 @@ def gate(
     spec = load_suite(suite, margin)
     base_meta, base = load_run(Path(baseline))
     cand_meta, cand = load_run(Path(candidate))
-    diffs = provenance_differences(base_meta, cand_meta)
+    all_diffs = provenance_differences(base_meta, cand_meta)
+    allowed = [d for d in all_diffs if d.split(":", 1)[0] in spec.may_differ]
+    diffs = [d for d in all_diffs if d not in allowed]
     if diffs:
         raise CannotCompare(f"runs differ in more than the model: {'; '.join(diffs[:5])}", candidate)
     k = len(spec.tasks)
@@ -180,6 +186,7 @@ def gate(
         correction=f"{spec.correction} over {k} tasks" if spec.correction == "bonferroni" else "none",
         tasks=verdicts,
         candidate_checksums=dict(cand_meta.get("model_checksums") or {}),
+        allowed_differences=allowed,
     )
     if report_dir is not None:
         from quantkit.reporting import write_gate_report

@@ -76,3 +76,46 @@ def smollm2_checkpoint(out: str | Path, cache: Path | None = None) -> Path:
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
+
+
+def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
+    """Write a BF16 checkpoint the way DeepSeek-V3 / GLM 5.x are released: block-FP8 Linears.
+
+    Every Linear weight becomes float8_e4m3fn with a 128x128 ``weight_scale_inv`` (round to
+    nearest, absmax / 448 per block); embeddings and norms stay BF16; ``config.json`` gets the
+    releases' ``quantization_config``. The side files (tokenizer, templates) are copied.
+    """
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from quantkit.families import release_stores_fp8
+    from quantkit.fp8_block import quantize_fp8_block
+    from quantkit.shard_writer import write_safetensors
+
+    bf16, out = Path(bf16), Path(out)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in bf16.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, tmp / f.name)
+    tensors = {}
+    for shard in sorted(bf16.glob("*.safetensors")):
+        with safe_open(shard, "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if release_stores_fp8(name, t.ndim):
+                    tensors[name], tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = quantize_fp8_block(t)
+                else:
+                    tensors[name] = t
+    write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+    config = json.loads((bf16 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out

@@ -55,6 +55,8 @@ def markdown(report) -> str:
             lines.append(f"- {t.task}: {s.name} {s.estimate:+.3f}{interval} {s.unit}")
     lines.append("")
     lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}.")
+    if report.allowed_differences:
+        lines.append(f"The candidate also differs, as the suite allows, in: {'; '.join(report.allowed_differences)}.")
     return "\n".join(lines) + "\n"
 
 

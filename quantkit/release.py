@@ -1,0 +1,308 @@
+"""``release``: the whole chain from one config file, resumable stage by stage.
+
+plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish.
+
+Each finished stage is recorded in WORK/release-state.json with a fingerprint of the config
+sections it depends on (its own and every earlier stage's). ``--resume`` skips a stage whose
+fingerprint is unchanged, so fixing a later stage's settings re-runs only from there. A baseline
+run already on disk with the same shards, tasks and engine settings is reused without serving
+the source again. A failure stops the chain with the stage, the cause and the command to resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from quantkit.errors import QuantkitError
+from quantkit.shard_writer import write_bytes_atomic
+
+STAGES = ("plan", "convert", "calibrate-kv", "verify", "eval-baseline", "eval-candidate", "gate", "publish")
+STATE_NAME = "release-state.json"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConvertSettings(_Section):
+    device: str = "auto"
+    workers: int | None = None
+    max_shard_size: str = "5GB"
+
+
+class CalibrateSettings(_Section):
+    data: str | None = None  # default: quantkit's bundled GSM8K-train text
+    text_field: str = "text"
+    samples: int = 512
+    seq_len: int = 2048
+    batch_size: int = 4
+    device: str = "auto"
+
+
+class VerifySettings(_Section):
+    engine: str = "sglang"
+    tp: int = 1
+    smoke: bool = True
+
+
+class EvalSettings(_Section):
+    engine: str = "hf"
+    engine_cmd: str | None = None
+    url: str | None = None
+    tasks: list[str] = ["gsm8k", "arc_easy", "arc_challenge", "mmlu", "mmlu_pro"]
+    data_dir: str | None = None
+    limit: int | None = None
+    batch_size: int = 8
+    tp: int = 1
+    ep: int = 1
+    mem_fraction: float | None = None
+    health_timeout: float = 1800
+    kv_cache_dtype: str = "auto"  # the baseline's: the prefill pool's BF16 KV cache
+    candidate_kv_cache_dtype: str | None = None  # default: fp8_e4m3 when calibrate_kv is set, else as the baseline
+    baseline_run: str | None = None  # default WORK/runs/baseline; point at another release's to reuse it
+
+
+class PublishSettings(_Section):
+    repo: str  # ORG/NAME on the hub, or file://DIR
+    private: bool = False
+    revision: str | None = None
+    base_model: str | None = None
+
+
+class ReleaseConfig(_Section):
+    source: str
+    recipe: str
+    work_dir: str | None = None  # default: <config name>-work beside the config
+    convert: ConvertSettings = ConvertSettings()
+    calibrate_kv: CalibrateSettings | None = None
+    verify: VerifySettings = VerifySettings()
+    eval: EvalSettings = EvalSettings()
+    suite: str | None = None
+    margin: float | None = None
+    publish: PublishSettings
+
+
+# The config sections each stage reads; a stage's fingerprint also covers all earlier stages'.
+STAGE_INPUTS = {
+    "plan": ("source", "recipe", "convert"),
+    "convert": (),
+    "calibrate-kv": ("calibrate_kv",),
+    "verify": ("verify",),
+    "eval-baseline": ("eval",),
+    "eval-candidate": (),
+    "gate": ("suite", "margin"),
+    "publish": ("publish",),
+}
+
+
+@dataclass
+class StageRecord:
+    stage: str
+    status: str  # ran, resumed (done by an earlier run), reused (a finished run on disk), skipped (not configured)
+    seconds: float = 0.0
+    summary: str = ""
+
+
+@dataclass
+class ReleaseResult:
+    config: str
+    work_dir: str
+    stages: list[StageRecord] = field(default_factory=list)
+    verdict: str | None = None
+    report: str | None = None
+    published: str | None = None
+    gate_table: str = ""
+
+
+class ReleaseStopped(QuantkitError):
+    def __init__(self, stage: str, cause: str, config: Path):
+        self.stage = stage
+        super().__init__(f"release stopped at stage {stage}: {cause}; "
+                         f"after fixing it, resume with: quantkit release {config} --resume")
+
+
+def load_config(path: str | os.PathLike) -> ReleaseConfig:
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+        return ReleaseConfig.model_validate(doc)
+    except OSError as exc:
+        raise QuantkitError(f"cannot read the release config ({exc.strerror})", path) from exc
+    except yaml.YAMLError as exc:
+        raise QuantkitError(f"not YAML ({str(exc).splitlines()[0]})", path) from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise QuantkitError(f"{where}: {first['msg']}", path) from exc
+
+
+def release(
+    config_path: str | os.PathLike,
+    resume: bool = False,
+    on_stage: Callable[[StageRecord], None] | None = None,
+    api=None,
+) -> ReleaseResult:
+    config_path = Path(config_path).resolve()
+    config = load_config(config_path)
+    base = config_path.parent
+
+    def resolve(p: str | None) -> Path | None:
+        if p is None:
+            return None
+        return Path(p) if Path(p).is_absolute() else (base / p).resolve()
+
+    work = resolve(config.work_dir) or base / f"{config_path.stem}-work"
+    state_path = work / STATE_NAME
+    state = _load_state(state_path)
+    if state and not resume:
+        raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
+    work.mkdir(parents=True, exist_ok=True)
+    source = resolve(config.source)
+    recipe = str(resolve(config.recipe)) if resolve(config.recipe).is_file() else config.recipe
+    dst = work / "model"
+    runs = work / "runs"
+    baseline_run = resolve(config.eval.baseline_run) or runs / "baseline"
+    candidate_run = runs / "candidate"
+    gate_dir = work / "gate"
+    ev = config.eval
+    data_dir = resolve(ev.data_dir)
+    cand_kv = ev.candidate_kv_cache_dtype or ("fp8_e4m3" if config.calibrate_kv else ev.kv_cache_dtype)
+    result = ReleaseResult(str(config_path), str(work))
+
+    def run_eval(model: Path, out: Path, kv: str):
+        from quantkit.evaluation import evaluate
+
+        return evaluate(model, ev.engine, ev.tasks, data_dir, ev.limit, kv, out, ev.batch_size, ev.tp, ev.ep, ev.url,
+                        ev.engine_cmd, ev.mem_fraction, ev.health_timeout)
+
+    def stage_plan():
+        from quantkit.plan import plan
+
+        report = plan(source, recipe, tp=config.verify.tp, max_shard_size=config.convert.max_shard_size)
+        write_bytes_atomic(work / "plan.json", (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
+        return f"{report.bytes_now / 1e9:.3f} GB -> {report.bytes_after / 1e9:.3f} GB"
+
+    def stage_convert():
+        from quantkit.convert import convert
+        from quantkit.manifest import load_manifest
+
+        c = config.convert
+        started_before = (dst / "quantkit-manifest.json").is_file() and load_manifest(dst).status != "done"
+        done = convert(source, dst, recipe, c.device, c.workers, c.max_shard_size, resume=started_before,
+                       force=not started_before and dst.exists())
+        return f"{done.shards_written} shard(s), {done.output_bytes / 1e9:.3f} GB"
+
+    def stage_calibrate():
+        if config.calibrate_kv is None:
+            return None
+        from quantkit.calibrate_kv import calibrate_kv
+
+        k = config.calibrate_kv
+        done = calibrate_kv(dst, None, True, resolve(k.data), k.text_field, k.samples, k.seq_len, k.batch_size, k.device)
+        return f"{done.layers} layers, {done.samples} x {done.seq_len} tokens"
+
+    def stage_verify():
+        from quantkit.verify import verify
+
+        v = config.verify
+        report = verify(dst, source, v.engine, v.tp, v.smoke)
+        write_bytes_atomic(work / "verify.json", (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
+        if not report.passed:
+            first = report.findings[0]
+            raise QuantkitError(f"{len(report.findings)} finding(s), first: {first.check} {first.tensor or first.file}: "
+                                f"{first.message} (all in {work / 'verify.json'})")
+        return f"passed for {v.engine} tp={v.tp}"
+
+    def stage_eval_baseline():
+        from quantkit.evaluation import engine_settings, finished_run
+
+        settings = engine_settings(ev.engine, ev.kv_cache_dtype, ev.batch_size, ev.tp, ev.ep, ev.mem_fraction)
+        if finished_run(baseline_run, source, ev.engine, ev.tasks, data_dir, ev.limit, settings):
+            return "reused", _scores(json.loads((baseline_run / "results.json").read_text()))
+        return _scores(run_eval(source, baseline_run, ev.kv_cache_dtype).scores)
+
+    def stage_eval_candidate():
+        return _scores(run_eval(dst, candidate_run, cand_kv).scores)
+
+    def stage_gate():
+        from quantkit.gate import gate
+        from quantkit.reporting import markdown
+
+        report = gate(baseline_run, candidate_run, resolve(config.suite), config.margin, gate_dir)
+        result.gate_table = markdown(report)
+        if not report.passed:
+            failed = ", ".join(f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}] vs -{t.margin:g}"
+                               for t in report.tasks if not t.passed)
+            raise QuantkitError(f"the candidate fails the gate: {failed}; nothing is published "
+                                f"(report: {gate_dir / 'report.html'})")
+        return "pass: " + ", ".join(f"{t.task} {t.delta:+.2f}" for t in report.tasks)
+
+    def stage_publish():
+        from quantkit.publish import publish
+
+        p = config.publish
+        repo = p.repo if not p.repo.startswith("file://") else "file://" + str(resolve(p.repo.removeprefix("file://")))
+        done = publish(dst, repo, gate_dir / "verdict.json", p.private, p.revision, base_model=p.base_model, api=api)
+        result.published = done.target if done.target != "hub" else repo
+        return f"{len(done.files)} files to {result.published}"
+
+    steps = {"plan": stage_plan, "convert": stage_convert, "calibrate-kv": stage_calibrate, "verify": stage_verify,
+             "eval-baseline": stage_eval_baseline, "eval-candidate": stage_eval_candidate, "gate": stage_gate,
+             "publish": stage_publish}
+    state = state or {"stages": {}}
+    fingerprint = hashlib.sha256()
+    for stage in STAGES:
+        sections = {name: getattr(config, name) for name in STAGE_INPUTS[stage]}
+        fingerprint.update(json.dumps({k: v.model_dump() if isinstance(v, BaseModel) else v
+                                       for k, v in sections.items()}, sort_keys=True).encode())
+        digest = fingerprint.hexdigest()
+        done = state["stages"].get(stage)
+        if done and done["fingerprint"] == digest:
+            record = StageRecord(stage, "resumed", done["seconds"], done["summary"])
+        else:
+            started = time.perf_counter()
+            try:
+                outcome = steps[stage]()
+            except QuantkitError as exc:
+                raise ReleaseStopped(stage, str(exc), config_path) from exc
+            status, summary = outcome if isinstance(outcome, tuple) else ("ran", outcome)
+            if summary is None:
+                status, summary = "skipped", "not configured"
+            record = StageRecord(stage, status, round(time.perf_counter() - started, 1), summary)
+            state["stages"][stage] = {"fingerprint": digest, "seconds": record.seconds, "summary": record.summary}
+            # Later stages built on the old result of this one are stale now.
+            for later in STAGES[STAGES.index(stage) + 1:]:
+                state["stages"].pop(later, None)
+            write_bytes_atomic(state_path, (json.dumps(state, indent=2) + "\n").encode())
+        result.stages.append(record)
+        if on_stage is not None:
+            on_stage(record)
+    if (gate_dir / "report.md").is_file():
+        result.gate_table = result.gate_table or (gate_dir / "report.md").read_text()
+        result.verdict, result.report = str(gate_dir / "verdict.json"), str(gate_dir / "report.html")
+    if result.published is None:
+        result.published = state["stages"]["publish"]["summary"].split(" to ", 1)[-1]
+    return result
+
+
+def _scores(scores: dict) -> str:
+    return ", ".join(f"{task} {s['score']:.2f} (n={s['n']})" for task, s in scores.items())
+
+
+def _load_state(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantkitError(f"unreadable release state ({exc}); remove it to start over", path) from exc

@@ -1,0 +1,121 @@
+"""release: the chain from one config, resumable after a kill between stages, stopping with a usable message."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantkit.errors import QuantkitError
+from quantkit.real_models import block_fp8_release
+from quantkit.release import STAGES, ReleaseStopped, release
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+
+
+@pytest.fixture(scope="module")
+def fp8_source(smollm2_bf16, tmp_path_factory):
+    return block_fp8_release(smollm2_bf16, tmp_path_factory.mktemp("fp8") / "smollm2-fp8")
+
+
+def write_config(folder: Path, source: Path, **changes) -> Path:
+    """A small release: 8 ARC-Easy items; the test suite's margin is wide because 8 items certify nothing."""
+    (folder / "suite.yaml").write_text("may_differ: [engine.args.kv_cache_dtype]\ntasks:\n  arc_easy: {margin: 100}\n")
+    config = {
+        "source": str(source),
+        "recipe": "dense-mlp-w4a16-g32",
+        "convert": {"device": "cpu"},
+        "calibrate_kv": {"samples": 4, "seq_len": 64, "device": "cpu"},
+        "verify": {"engine": "sglang", "tp": 1},
+        "eval": {"engine": "hf", "tasks": ["arc_easy"], "data_dir": str(DATA), "limit": 8},
+        "suite": "suite.yaml",
+        "publish": {"repo": "file://published"},
+    }
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            config[section][field] = value
+        else:
+            config[section] = value
+    path = folder / "release.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_killed_between_stages_resumes_at_the_next_stage(fp8_source, tmp_path):
+    config = write_config(tmp_path, fp8_source)
+
+    def kill_after_verify(record):
+        if record.stage == "verify":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        release(config, on_stage=kill_after_verify)
+    state = json.loads((tmp_path / "release-work" / "release-state.json").read_text())
+    assert list(state["stages"]) == ["plan", "convert", "calibrate-kv", "verify"]
+    with pytest.raises(QuantkitError, match="holds a release already; --resume"):
+        release(config)
+
+    result = release(config, resume=True)
+    assert [(r.stage, r.status) for r in result.stages] == (
+        [(s, "resumed") for s in STAGES[:4]] + [(s, "ran") for s in STAGES[4:]])
+    published = tmp_path / "published"
+    assert result.published == str(published)
+    card = (published / "README.md").read_text()
+    assert "## Release gate: PASS" in card and "--kv-cache-dtype fp8_e4m3" in card
+    assert (published / "quantkit-manifest.json").is_file()
+    cand = json.loads((tmp_path / "release-work" / "runs" / "candidate" / "run.json").read_text())
+    assert cand["engine"]["args"]["kv_cache_dtype"] == "fp8_e4m3"  # the decode pool's KV cache was evaluated
+    verdict = json.loads((tmp_path / "release-work" / "gate" / "verdict.json").read_text())
+    assert verdict["allowed_differences"] == ["engine.args.kv_cache_dtype: 'auto' vs 'fp8_e4m3'"]
+
+    again = release(config, resume=True)  # all done: nothing runs
+    assert {r.status for r in again.stages} == {"resumed"}
+
+    # Another candidate from the same source reuses the baseline run on disk without loading the model.
+    other = tmp_path / "other"
+    other.mkdir()
+    second = write_config(other, fp8_source, calibrate_kv=None,
+                          eval__baseline_run=str(tmp_path / "release-work" / "runs" / "baseline"))
+    result = release(second)
+    statuses = {r.stage: r.status for r in result.stages}
+    assert statuses["eval-baseline"] == "reused" and statuses["calibrate-kv"] == "skipped"
+
+
+def test_a_failing_stage_says_which_why_and_how_to_resume(fp8_source, tmp_path):
+    config = write_config(tmp_path, fp8_source, eval__data_dir=str(tmp_path / "no-data"))
+    with pytest.raises(ReleaseStopped, match=r"stopped at stage eval-baseline: .*missing data file for task arc_easy"
+                                             r".*resume with: quantkit release .*release.yaml --resume") as info:
+        release(config)
+    assert info.value.stage == "eval-baseline"
+    state = json.loads((tmp_path / "release-work" / "release-state.json").read_text())
+    assert list(state["stages"])[-1] == "verify"
+
+    # Fixing the config resumes at the failed stage: nothing before it runs again.
+    write_config(tmp_path, fp8_source, suite="strict.yaml")
+    (tmp_path / "strict.yaml").write_text("tasks:\n  arc_easy: {margin: 100}\n")  # no may_differ: FP8 KV is a difference
+    with pytest.raises(ReleaseStopped, match="stopped at stage gate: .*engine.args.kv_cache_dtype: 'auto' vs 'fp8_e4m3'"):
+        release(config, resume=True)
+    assert not (tmp_path / "published").exists()
+
+
+def test_bad_configs_are_named(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("source: x\nrecipe: y\npublish: {repo: org/x}\nevals: {}\n")
+    with pytest.raises(QuantkitError, match="r.yaml: evals: Extra inputs are not permitted"):
+        release(path)
+    path.write_text("source: x\nrecipe: y\n")
+    with pytest.raises(QuantkitError, match="r.yaml: publish: Field required"):
+        release(path)
+    with pytest.raises(QuantkitError, match="cannot read the release config"):
+        release(tmp_path / "missing.yaml")
+
+
+def test_the_shipped_example_config_is_valid():
+    from quantkit.gate import load_suite
+    from quantkit.release import load_config
+
+    root = Path(__file__).resolve().parents[1] / "eval"
+    config = load_config(root / "release-example.yaml")
+    assert config.eval.engine == "sglang" and config.eval.candidate_kv_cache_dtype == "fp8_e4m3"
+    assert load_suite(root / config.suite).may_differ == ["engine.args.kv_cache_dtype"]
