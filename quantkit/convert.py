@@ -119,35 +119,15 @@ def convert(
     progress = _Progress(total, on_progress)
     progress.add(total - sum(s.source_bytes for s in todo))
     stats = _Stats()
+    import torch
+
+    threads = torch.get_num_threads()
     if devices[0] == "cpu":
-        import torch
-
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-    lock = threading.Lock()
-    slots: queue.Queue[str] = queue.Queue()
-    for i in range(workers):
-        slots.put(devices[i % len(devices)])
-
-    def job(shard: OutputShard) -> None:
-        dev = slots.get()
-        try:
-            written = _convert_shard(shard, plan, ckpt, dst_path, dev, stats, progress)
-        finally:
-            slots.put(dev)
-        with lock:
-            manifest.shards[shard.name] = ShardRecord(written.sha256, written.size)
-            manifest.save(dst_path)
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(job, s) for s in todo]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:  # the first failure stops the run; running jobs end on their own
-                future.cancel()
-            raise
+    try:
+        _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest)
+    finally:
+        torch.set_num_threads(threads)  # the worker split is convert's own: later work in this process gets all cores
 
     _finish(ckpt, rec, plan, dst_path, manifest)
     kinds: dict[str, int] = {}
@@ -267,6 +247,34 @@ class _Pipe:
             except queue.Empty:
                 if self.stop.is_set():
                     return _DONE
+
+
+def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest) -> None:
+    """Convert the shards still to do, ``workers`` at a time; each finished shard goes into the manifest."""
+    lock = threading.Lock()
+    slots: queue.Queue[str] = queue.Queue()
+    for i in range(workers):
+        slots.put(devices[i % len(devices)])
+
+    def job(shard: OutputShard) -> None:
+        dev = slots.get()
+        try:
+            written = _convert_shard(shard, plan, ckpt, dst_path, dev, stats, progress)
+        finally:
+            slots.put(dev)
+        with lock:
+            manifest.shards[shard.name] = ShardRecord(written.sha256, written.size)
+            manifest.save(dst_path)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job, s) for s in todo]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:  # the first failure stops the run; running jobs end on their own
+                future.cancel()
+            raise
 
 
 def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):

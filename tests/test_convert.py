@@ -171,3 +171,12 @@ def test_source_is_never_modified(synthetic, tmp_path):
     before = tree_bytes(synthetic["glm_moe_dsa"])
     convert(synthetic["glm_moe_dsa"], tmp_path / "out", "glm5-int4-experts-g32", device="cpu")
     assert tree_bytes(synthetic["glm_moe_dsa"]) == before
+
+
+def test_convert_leaves_the_process_thread_count_as_it_found_it(synthetic, tmp_path):
+    """Its per-worker thread split must not slow whatever runs next in the process (eval, release)."""
+    import torch
+
+    before = torch.get_num_threads()
+    convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu", workers=2)
+    assert torch.get_num_threads() == before
