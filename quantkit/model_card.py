@@ -23,6 +23,16 @@ DATASETS = {
     "mmlu_pro": ("TIGER-Lab/MMLU-Pro", "MMLU-Pro", None, "accuracy"),
 }
 H200_BYTES = 141 * 10**9
+FORMAT_TAGS = {"pack-quantized": ["int4", "w4a16"], "float-quantized": ["fp8"]}
+FORMAT_WORDS = {"pack-quantized": "INT4 group-quantized (`pack-quantized`)",
+                "float-quantized": "block-FP8 (`float-quantized`)"}
+
+
+def _formats(config: dict) -> list[str]:
+    """The compressed-tensors formats the checkpoint's groups use, in a fixed order."""
+    qc = config.get("quantization_config") or {}
+    used = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
+    return [f for f in FORMAT_TAGS if f in used]
 
 
 def front_matter(source_card: Path | None) -> dict:
@@ -63,8 +73,10 @@ def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | Non
     fp8_kv = bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
     name = repo.removeprefix("file://").rstrip("/").split("/")[-1] if repo.startswith("file://") else repo
 
-    tags = ["quantkit", "compressed-tensors", "int4", "w4a16"] + (["fp8-kv-cache"] if fp8_kv else [])
-    if after.family != "llama":
+    formats = _formats(config)
+    tags = ["quantkit", "compressed-tensors"] + [t for f in formats for t in FORMAT_TAGS[f]]
+    tags += ["fp8-kv-cache"] if fp8_kv else []
+    if any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
         tags.append("mixture-of-experts")
     results = []
     for t in (verdict or {}).get("tasks", []):
@@ -84,8 +96,8 @@ def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | Non
 
     lines = ["---", data.to_yaml().strip(), "---", "", f"# {name}", ""]
     recipe = manifest.recipe_name if manifest else "unknown"
-    lines += [f"INT4 group-quantized ([compressed-tensors](https://github.com/vllm-project/compressed-tensors) "
-              f"`pack-quantized`) conversion of `{base_model or source_meta.get('base_model') or (source.name if source else 'the source')}` "
+    described = " + ".join(FORMAT_WORDS[f] for f in formats) or "BF16"
+    lines += [f"{described} ([compressed-tensors](https://github.com/vllm-project/compressed-tensors)) conversion of `{base_model or source_meta.get('base_model') or (source.name if source else 'the source')}` "
               f"made with quantkit {quantkit.__version__}, recipe `{recipe}`"
               + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
     lines += _gate_section(verdict)
@@ -100,8 +112,10 @@ def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | Non
     if before is not None:
         lines.append(f"| source | {before.total_params:,} | {before.total_bytes / 1e9:.3f} GB |")
     lines.append(f"| this checkpoint | {after.total_params:,} | {after.total_bytes / 1e9:.3f} GB |")
-    lines += ["", "The parameter count is the true one: each packed int32 holds eight INT4 weights, which the "
-              "hub's counter reads as one parameter.", ""]
+    if "pack-quantized" in formats:
+        lines += ["", "The parameter count is the true one: each packed int32 holds eight INT4 weights, which the "
+                  "hub's counter reads as one parameter."]
+    lines.append("")
     lines += _provenance_section(manifest, verdict)
     return "\n".join(lines) + "\n"
 
@@ -112,7 +126,7 @@ def _gate_section(verdict: dict | None) -> list[str]:
                 "comparison against the original model vouches for its accuracy.", ""]
     lines = ["## Release gate: PASS", "",
              f"Paired non-inferiority test against the original on the same items, {verdict['confidence']:.2%} "
-             f"intervals per task ({verdict['correction']} correction).", "",
+             f"intervals per task (correction: {verdict['correction']}).", "",
              "| benchmark | n | original | this model | delta | interval | margin | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for t in verdict["tasks"]:

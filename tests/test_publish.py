@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import yaml
+from test_gate import suite, write_run
 from typer.testing import CliRunner
 
 from cli import app
@@ -14,7 +15,6 @@ from quantkit.evaluation import model_checksums
 from quantkit.gate import gate
 from quantkit.inspection import inspect_checkpoint
 from quantkit.publish import PublishRefused, publish
-from test_gate import suite, write_run
 
 SECRET = "hf_quantkitTESTtoken0123456789abcdef"
 
@@ -118,7 +118,7 @@ def test_hub_upload_calls_in_order_and_the_token_never_shows(gated, tmp_path, ca
     assert hub.calls[1][2]["branch"] == "int4-g32"
     upload = hub.calls[2][2]
     assert upload["revision"] == "int4-g32" and upload["repo_type"] == "model"
-    assert "README.md" in upload["files"] and set(f["name"] for f in result.files) <= set(upload["files"])
+    assert "README.md" in upload["files"] and {f["name"] for f in result.files} <= set(upload["files"])
 
     out = CliRunner().invoke(app, ["publish", str(dst), "--repo", "org/glm5-int4", "--gate", str(verdict), "--dry-run"],
                              env={"HF_TOKEN": SECRET})
