@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from lm_eval.api.model import LM
 
-REQUESTS_PER_SLICE = 64
+REQUESTS_PER_SLICE = 256
 
 
 class TaskProgress(LM):
