@@ -31,6 +31,15 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(1)
 
 
+def _quiet_libraries() -> None:
+    """lm-eval and transformers warn about things quantkit does on purpose (a pre-loaded model,
+    the tokenizer's clean-up flag); the user's terminal is for progress and results."""
+    import logging
+
+    for name in ("lm_eval", "lm-eval", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _emit_json(obj) -> None:
     data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
@@ -237,6 +246,7 @@ def eval_cmd(
     from quantkit.errors import QuantkitError
     from quantkit.evaluation import evaluate
 
+    _quiet_libraries()
     try:
         with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
             result = evaluate(model, engine, [t.strip() for t in tasks.split(",") if t.strip()], data_dir, limit,
@@ -279,6 +289,107 @@ def gate_cmd(
     else:
         out.print(markdown(result), highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(0 if result.passed else 1)
+
+
+@app.command("publish")
+def publish_cmd(
+    dst: Path = typer.Argument(..., help="The converted checkpoint to publish."),
+    repo: str = typer.Option(..., help="ORG/NAME on the hub, or file://DIR for a local folder."),
+    gate_verdict: Optional[Path] = typer.Option(None, "--gate", help="The passing gate's verdict.json."),
+    private: bool = typer.Option(False, "--private", help="Create the hub repository private."),
+    revision: Optional[str] = typer.Option(None, help="Branch to upload to (created if missing)."),
+    base_model: Optional[str] = typer.Option(None, help="Hub id of the original model, for the card."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be uploaded and the card; change nothing."),
+    force_ungated: bool = typer.Option(False, "--force-ungated", help="Publish without a gate; the card says so."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Upload DST with its model card, only if the gate passed on exactly these shards."""
+    from quantkit.errors import QuantkitError
+    from quantkit.publish import publish
+
+    try:
+        result = publish(dst, repo, gate_verdict, private, revision, dry_run, force_ungated, base_model)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    table = Table("file", "bytes")
+    for f in result.files:
+        table.add_row(f["name"], f"{f['bytes']:,}")
+    out.print(table)
+    if dry_run:
+        out.print(result.card, markup=False, highlight=False)
+        out.print(f"[yellow]dry run[/]: nothing uploaded; would publish {len(result.files)} files to {repo}")
+    else:
+        where = result.target if result.target != "hub" else f"https://huggingface.co/{repo}"
+        out.print(f"[green]published[/] {len(result.files)} files to {where} ({'gated' if result.gated else 'UNGATED'})")
+
+
+@app.command("release")
+def release_cmd(
+    config: Path = typer.Argument(..., help="Release config YAML (see eval/release-example.yaml)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue after the last finished stage."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish."""
+    from quantkit.errors import QuantkitError
+    from quantkit.release import release
+
+    _quiet_libraries()
+    try:
+        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+            result = release(config, resume, on_stage=None if json_out else _print_stage, on_progress=on_progress)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    out.print(result.gate_table, markup=False, highlight=False)
+    out.print(f"[green]released[/]: {result.published}; report {result.report}")
+
+
+@app.command("demo")
+def demo_cmd(
+    workdir: Path = typer.Option(Path("quantkit-demo"), help="Where everything goes (a re-run resumes)."),
+    arc_items: int = typer.Option(500, help="ARC-Easy test items (the first N)."),
+    gsm8k_items: int = typer.Option(16, help="GSM8K test items (the first N; evaluated, not gated)."),
+    source_model: Optional[Path] = typer.Option(None, help="A local BF16 SmolLM2-135M-Instruct instead of fetching it."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Two gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 and FP8."""
+    from quantkit.demo import demo
+    from quantkit.errors import QuantkitError
+
+    def stage(name, record):
+        out.print(f"[bold]{name:>4}[/] ", end="")
+        _print_stage(record)
+
+    _quiet_libraries()
+    try:
+        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+            result = demo(workdir, arc_items, gsm8k_items, source_model=source_model,
+                          on_stage=None if json_out else stage, on_progress=on_progress)
+    except QuantkitError as exc:
+        _fail(exc)
+    if json_out:
+        _emit_json(result)
+        return
+    out.print(f"source (block-FP8): {result.source}")
+    for r in result.releases:
+        out.print(f"\n[bold]{r.name}[/] ({r.recipe})", highlight=False)
+        out.print(r.gate_table, markup=False, highlight=False)
+        if r.published:
+            out.print(f"[green]published[/] {r.published} (model card: {Path(r.published) / 'README.md'}); report {r.report}")
+        else:
+            out.print(f"[red]not published[/]: the gate failed; report {r.report}")
+    out.print(f"done in {result.seconds:.0f}s")
+
+
+def _print_stage(record) -> None:
+    mark = {"ran": "[green]done[/]", "resumed": "[cyan]done earlier[/]", "reused": "[cyan]reused[/]",
+            "skipped": "[yellow]skipped[/]"}[record.status]
+    out.print(f"{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {record.summary}", highlight=False)
 
 
 @app.command("synth")
@@ -367,6 +478,8 @@ class _items_progress:
         def update(task: str, done: int, total: int) -> None:
             if task not in self.rows:
                 self.rows[task] = self.progress.add_task(task, total=total)
+            elif done == 0:  # the same task in the next run (release: baseline, then candidate)
+                self.progress.reset(self.rows[task], total=total)
             self.progress.update(self.rows[task], completed=done, total=total)
 
         return update

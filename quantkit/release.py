@@ -15,9 +15,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -151,7 +151,9 @@ def release(
     resume: bool = False,
     on_stage: Callable[[StageRecord], None] | None = None,
     api=None,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> ReleaseResult:
+    """Run CONFIG's chain; ``on_stage`` after each stage, ``on_progress(task, done, total)`` during evals."""
     config_path = Path(config_path).resolve()
     config = load_config(config_path)
     base = config_path.parent
@@ -183,7 +185,7 @@ def release(
         from quantkit.evaluation import evaluate
 
         return evaluate(model, ev.engine, ev.tasks, data_dir, ev.limit, kv, out, ev.batch_size, ev.tp, ev.ep, ev.url,
-                        ev.engine_cmd, ev.mem_fraction, ev.health_timeout)
+                        ev.engine_cmd, ev.mem_fraction, ev.health_timeout, on_progress)
 
     def stage_plan():
         from quantkit.plan import plan
@@ -247,13 +249,15 @@ def release(
                                 f"(report: {gate_dir / 'report.html'})")
         return "pass: " + ", ".join(f"{t.task} {t.delta:+.2f}" for t in report.tasks)
 
+    p = config.publish
+    local = p.repo.startswith("file://")
+    repo = "file://" + str(resolve(p.repo.removeprefix("file://"))) if local else p.repo
+    result.published = repo.removeprefix("file://")
+
     def stage_publish():
         from quantkit.publish import publish
 
-        p = config.publish
-        repo = p.repo if not p.repo.startswith("file://") else "file://" + str(resolve(p.repo.removeprefix("file://")))
         done = publish(dst, repo, gate_dir / "verdict.json", p.private, p.revision, base_model=p.base_model, api=api)
-        result.published = done.target if done.target != "hub" else repo
         return f"{len(done.files)} files to {result.published}"
 
     steps = {"plan": stage_plan, "convert": stage_convert, "calibrate-kv": stage_calibrate, "verify": stage_verify,
@@ -290,8 +294,6 @@ def release(
     if (gate_dir / "report.md").is_file():
         result.gate_table = result.gate_table or (gate_dir / "report.md").read_text()
         result.verdict, result.report = str(gate_dir / "verdict.json"), str(gate_dir / "report.html")
-    if result.published is None:
-        result.published = state["stages"]["publish"]["summary"].split(" to ", 1)[-1]
     return result
 
 

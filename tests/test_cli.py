@@ -48,3 +48,21 @@ def test_synth_writes_a_checkpoint(tmp_path):
     assert config["n_routed_experts"] == 4 and config["quantization_config"]["quant_method"] == "fp8"
     r = runner.invoke(app, ["synth", "nope", str(tmp_path / "x")])
     assert r.exit_code == 1 and "unknown synthetic family" in r.output
+
+
+def test_publish_and_release_errors_are_one_line_with_a_nonzero_exit(synthetic, tmp_path):
+    from quantkit.convert import convert
+
+    dst = tmp_path / "int4"
+    convert(synthetic["llama"], dst, "dense-w4a16-g128", device="cpu")
+    result = runner.invoke(app, ["publish", str(dst), "--repo", f"file://{tmp_path / 'out'}"])
+    assert result.exit_code == 1
+    assert "no gate verdict given" in result.output and str(dst) in result.output
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, ["publish", str(dst), "--repo", "org/x", "--force-ungated", "--dry-run", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["dry_run"] is True
+    config = tmp_path / "r.yaml"
+    config.write_text(f"source: {tmp_path / 'nowhere'}\nrecipe: dense-w4a16-g128\npublish: {{repo: org/x}}\n")
+    result = runner.invoke(app, ["release", str(config)])
+    assert result.exit_code == 1
+    assert "release stopped at stage plan" in result.output and "--resume" in result.output
