@@ -1,0 +1,117 @@
+"""``demo``: two real releases of a real small model, offline, on a laptop CPU.
+
+SmolLM2-135M-Instruct (fetched from PyPI, see real_models) is written as a block-FP8 source the way
+DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs twice from that source, with the
+in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the small-model
+suite (eval/suites/small-model.yaml), both candidates with calibrated FP8 KV caches:
+
+  int4  the MLP to INT4 group 32, attention kept: the GLM 5.x decode-pool recipe's counterpart
+        for a dense model (its MLPs play the routed experts);
+  fp8   the weights kept in their block-FP8 form: the prefill pool's weight format.
+
+Each is published to a local folder only if its gate passes; the second reuses the first's
+baseline run. Nothing here is special-cased: each release is a config file like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
+
+DATA = Path(__file__).resolve().parent / "data" / "evaldata"
+SUITE = Path(__file__).resolve().parent.parent / "eval" / "suites" / "small-model.yaml"
+CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "fp8": "dense-fp8-block"}
+
+
+@dataclass
+class DemoRelease:
+    name: str
+    recipe: str
+    config: str
+    passed: bool
+    published: str | None  # the local folder, when the gate passed
+    stopped: str | None  # why the release stopped, when it did
+    gate_table: str
+    report: str | None
+    result: ReleaseResult | None = None
+
+
+@dataclass
+class DemoResult:
+    work_dir: str
+    source: str
+    releases: list[DemoRelease] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def demo(
+    workdir: str | os.PathLike = "quantkit-demo",
+    arc_items: int = 500,
+    gsm8k_items: int = 16,
+    source_model: str | os.PathLike | None = None,
+    on_stage: Callable[[str, StageRecord], None] | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> DemoResult:
+    """Run the demo in WORKDIR (re-running resumes); ``source_model``: a local BF16 SmolLM2 instead of fetching it."""
+    import yaml
+
+    from quantkit.real_models import block_fp8_release, smollm2_checkpoint
+
+    started = time.perf_counter()
+    work = Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    bf16 = Path(source_model) if source_model else smollm2_checkpoint(work / "smollm2-135m-bf16")
+    source = block_fp8_release(bf16, work / "smollm2-135m-fp8")
+    data = work / "data"
+    _slice(DATA / "arc_easy" / "test.jsonl", data / "arc_easy" / "test.jsonl", arc_items)
+    _slice(DATA / "gsm8k" / "test.jsonl", data / "gsm8k" / "test.jsonl", gsm8k_items)
+    result = DemoResult(str(work), str(source))
+    baseline = work / "baseline-run"
+    for name, recipe in CANDIDATES.items():
+        config = {
+            "source": str(source),
+            "recipe": recipe,
+            "work_dir": str(work / f"release-{name}"),
+            "convert": {"device": "cpu"},
+            "calibrate_kv": {"samples": 32, "seq_len": 512, "batch_size": 4, "device": "cpu"},
+            "verify": {"engine": "sglang", "tp": 1},
+            "eval": {"engine": "hf", "tasks": ["arc_easy", "gsm8k"], "data_dir": str(data), "batch_size": 16,
+                     "baseline_run": str(baseline)},
+            "suite": str(SUITE),
+            "publish": {"repo": f"file://{work / 'published' / f'smollm2-135m-{name}-fp8kv'}",
+                        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        }
+        path = work / f"release-{name}.yaml"
+        text = "# written by quantkit demo\n" + yaml.safe_dump(config, sort_keys=False)
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+        state = work / f"release-{name}" / "release-state.json"
+        stage_hook = (lambda record, n=name: on_stage(n, record)) if on_stage else None
+        gate_dir = work / f"release-{name}" / "gate"
+        try:
+            done = release(path, resume=state.is_file(), on_stage=stage_hook, on_progress=on_progress)
+            result.releases.append(DemoRelease(name, recipe, str(path), True, done.published, None, done.gate_table,
+                                               done.report, done))
+        except ReleaseStopped as exc:
+            report = gate_dir / "report.md"
+            table = report.read_text() if exc.stage == "gate" and report.is_file() else ""
+            result.releases.append(DemoRelease(name, recipe, str(path), False, None, str(exc), table,
+                                               str(gate_dir / "report.html") if table else None))
+            if exc.stage != "gate":  # anything but an honest verdict is the demo's own failure
+                raise
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _slice(src: Path, dst: Path, n: int) -> None:
+    """The first N items of a test set (the same N items on every run: the gate pairs them)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(src) as f:
+        text = "".join(line for _, line in zip(range(n), f))
+    if not dst.is_file() or dst.read_text() != text:
+        dst.write_text(text)

@@ -1,0 +1,44 @@
+"""The README's main job, in its CI variant: fewer items, same chain, same suite, same honesty."""
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+
+
+def test_demo_gates_both_candidates_and_publishes_only_the_one_that_passes(smollm2_bf16, tmp_path):
+    work = tmp_path / "demo"
+    started = time.perf_counter()
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--arc-items", "200", "--gsm8k-items", "4",
+                                      "--source-model", str(smollm2_bf16)])
+    seconds = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    print(f"demo CI variant: {seconds:.0f}s")
+
+    # INT4 RTN costs this 135M model ARC points well beyond what 200 items leave room for: refused.
+    int4 = json.loads((work / "release-int4" / "gate" / "verdict.json").read_text())
+    assert not int4["passed"] and int4["tasks"][0]["delta"] < 0
+    assert not (work / "published" / "smollm2-135m-int4-fp8kv").exists()
+    assert "not published: the gate failed" in result.output
+
+    # FP8 weights with a calibrated FP8 KV cache stay within noise: published, with a card that says so.
+    fp8 = json.loads((work / "release-fp8" / "gate" / "verdict.json").read_text())
+    assert fp8["passed"] and fp8["allowed_differences"] == ["engine.args.kv_cache_dtype: 'auto' vs 'fp8_e4m3'"]
+    published = work / "published" / "smollm2-135m-fp8-fp8kv"
+    card = (published / "README.md").read_text()
+    assert yaml.safe_load(card.split("---")[1])["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "## Release gate: PASS" in card and "| arc_easy | 200 |" in card
+    assert (published / "model-00001-of-00001.safetensors").read_bytes() == \
+        (work / "release-fp8" / "model" / "model-00001-of-00001.safetensors").read_bytes()
+
+    # The source is written like the real releases: block-FP8 Linears with weight_scale_inv.
+    config = json.loads((work / "smollm2-135m-fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    # The second release reused the first one's baseline run instead of evaluating the source again.
+    state = json.loads((work / "release-fp8" / "release-state.json").read_text())
+    assert state["stages"]["eval-baseline"]["seconds"] < 5
+    assert Path(work / "baseline-run" / "results.json").is_file()
