@@ -141,7 +141,9 @@ def test_stopping_quantkit_stops_the_server(smollm2_bf16, tmp_path, how):
     cmd = [sys.executable, "-c", "import cli; cli.main()", "eval", str(smollm2_bf16), "--engine", "sglang",
            "--tasks", "arc_easy", "--data-dir", str(DATA), "--out", str(tmp_path / "run"),
            "--engine-cmd", standin("never-healthy", pids), "--engine-timeout", "120"]
-    quantkit = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell that started the tests in the background may have left SIGINT ignored; Ctrl-C reaches a foreground quantkit.
+    quantkit = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (pids.is_file() and len(pids.read_text().split()) == 2 and "ready" in _log(tmp_path)):
         assert quantkit.poll() is None and time.monotonic() < deadline, quantkit.communicate()
