@@ -12,6 +12,10 @@ import math
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# config.json's quantization_config of a DeepSeek-V3 / GLM 5.x block-FP8 release.
+RELEASE_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+}
 
 
 def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -45,3 +49,14 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     scale_inv = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
     q = (w / _expand(scale_inv, (out, inn), block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale_inv
+
+
+def release_encoding(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor as a block-FP8 release stores it: FP8 + ``weight_scale_inv`` where such releases
+    quantize (families.release_stores_fp8), unchanged elsewhere."""
+    from quantkit.families import release_stores_fp8
+
+    if not release_stores_fp8(name, tensor.ndim):
+        return {name: tensor}
+    q, scale_inv = quantize_fp8_block(tensor)
+    return {name: q, name.removesuffix(".weight") + ".weight_scale_inv": scale_inv}

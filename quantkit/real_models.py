@@ -90,8 +90,7 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
 
     from safetensors import safe_open
 
-    from quantkit.families import release_stores_fp8
-    from quantkit.fp8_block import quantize_fp8_block
+    from quantkit.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
     from quantkit.shard_writer import write_safetensors
 
     bf16, out = Path(bf16), Path(out)
@@ -107,15 +106,10 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
     for shard in sorted(bf16.glob("*.safetensors")):
         with safe_open(shard, "pt") as st:
             for name in st.keys():
-                t = st.get_tensor(name)
-                if release_stores_fp8(name, t.ndim):
-                    tensors[name], tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = quantize_fp8_block(t)
-                else:
-                    tensors[name] = t
+                tensors.update(release_encoding(name, st.get_tensor(name)))
     write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
     config = json.loads((bf16 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                     "activation_scheme": "dynamic"}
+    config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out)
     return out

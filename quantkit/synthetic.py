@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint import INDEX_NAME
-from quantkit.families import mtp_extra_shapes, release_stores_fp8
-from quantkit.fp8_block import quantize_fp8_block
+from quantkit.families import mtp_extra_shapes
+from quantkit.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
 from quantkit.modeling import unfuse_experts
 from quantkit.shard_writer import write_safetensors
 
@@ -112,17 +112,10 @@ def build_synthetic(
 
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(state, key=_layer_sort_key):
-        t = state[name]
-        if fp8 and release_stores_fp8(name, t.ndim):
-            q, scale_inv = quantize_fp8_block(t)
-            tensors[name] = q
-            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale_inv
-        else:
-            tensors[name] = t.contiguous()
+        t = state[name].contiguous()
+        tensors.update(release_encoding(name, t) if fp8 else {name: t})
     if fp8:
-        config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-        }
+        config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
     _write_sharded(out, tensors, shard_size)
