@@ -111,6 +111,18 @@ def task_yaml(task: str, data_dir: Path) -> tuple[str, str]:
     return yaml.safe_dump(doc, sort_keys=False), hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
+def task_configs(tasks: list[str], data_dir: str | os.PathLike | None) -> dict[str, tuple[str | None, str]]:
+    """task -> (its lm-eval YAML over the local data, or None for lm-eval's own task; its config hash)."""
+    if data_dir is None:
+        return {t: (None, f"lm-eval builtin {t}") for t in tasks}
+    return {t: task_yaml(t, Path(data_dir)) for t in tasks}
+
+
+def task_identities(configs: dict[str, tuple[str | None, str]], limit: int | None) -> dict[str, dict]:
+    """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit."""
+    return {t: {"config_sha256": digest, "num_fewshot": 0, "limit": limit} for t, (_, digest) in configs.items()}
+
+
 def model_checksums(path: Path) -> dict[str, str]:
     from quantkit.checkpoint import open_checkpoint
     from quantkit.manifest import load_manifest
@@ -177,18 +189,14 @@ def evaluate(
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
     (run_dir / "tasks").mkdir(exist_ok=True)
 
-    task_hashes = {}
+    configs = task_configs(tasks, data_dir)
     names = []
-    for task in tasks:
-        if data_dir is None:
+    for task, (text, _) in configs.items():
+        if text is None:
             names.append(task)
-            task_hashes[task] = f"lm-eval builtin {task}"
             continue
-        text, digest = task_yaml(task, Path(data_dir))
         (run_dir / "tasks" / f"quantkit_{task}.yaml").write_text(text)
         names.append(f"quantkit_{task}")
-        task_hashes[task] = digest
-    task_meta = {t: {"config_sha256": task_hashes[t], "num_fewshot": 0, "limit": limit} for t in tasks}
 
     tokenizer = _tokenizer(path)
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -197,7 +205,7 @@ def evaluate(
         "model_checksums": model_checksums(path),
         "model_family": model_family(path),
         "lm_eval_version": lm_eval.__version__,
-        "tasks": task_meta,
+        "tasks": task_identities(configs, limit),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "chat_template_applied": False,
         "seeds": SEEDS,
@@ -273,10 +281,8 @@ def finished_run(run_dir: str | os.PathLike, model: str | os.PathLike, engine: s
         scores = json.loads((run_dir / "results.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    expected_tasks = {t: {"config_sha256": task_yaml(t, Path(data_dir))[1] if data_dir else f"lm-eval builtin {t}",
-                          "num_fewshot": 0, "limit": limit} for t in tasks}
     return (meta.get("model_checksums") == model_checksums(Path(model))
-            and meta.get("tasks") == expected_tasks
+            and meta.get("tasks") == task_identities(task_configs(tasks, data_dir), limit)
             and meta.get("engine", {}).get("name") == engine
             and meta.get("engine", {}).get("args") == settings
             and set(scores) == set(tasks)
