@@ -58,14 +58,13 @@ def publish(
         raise QuantkitError("not a checkpoint folder (no config.json)", dst)
     verdict = check_gate(dst, gate, force_ungated)
     card = model_card(dst, repo, verdict, base_model)
-    files = upload_list(dst)
-    if CARD_NAME not in {f["name"] for f in files}:
-        files.append({"name": CARD_NAME, "bytes": len(card.encode())})
+    # The card as it will be written, whatever README.md DST holds now (a dry run writes nothing).
+    files = sorted([f for f in upload_list(dst) if f["name"] != CARD_NAME] + [{"name": CARD_NAME, "bytes": len(card.encode())}],
+                   key=lambda f: f["name"])
     result = PublishResult(repo, "hub", revision or "main", verdict is not None, dry_run, files, card)
     if dry_run:
         return result
     write_bytes_atomic(dst / CARD_NAME, card.encode())
-    result.files = upload_list(dst)
     if repo.startswith("file://"):
         result.target = str(_publish_local(dst, Path(repo.removeprefix("file://")), result.files))
     else:
