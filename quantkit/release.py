@@ -170,7 +170,8 @@ def release(
         raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
     work.mkdir(parents=True, exist_ok=True)
     source = resolve(config.source)
-    recipe = str(resolve(config.recipe)) if resolve(config.recipe).is_file() else config.recipe
+    recipe_file = resolve(config.recipe)
+    recipe = str(recipe_file) if recipe_file.is_file() else config.recipe  # else a built-in name
     dst = work / "model"
     runs = work / "runs"
     baseline_run = resolve(config.eval.baseline_run) or runs / "baseline"
