@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -41,3 +42,9 @@ def glm_copy(synthetic, tmp_path) -> Path:
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def shard_of(folder: Path, tensor: str) -> Path:
+    """The shard file the index says holds ``tensor``."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][tensor]

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import tree_bytes
+from conftest import shard_of, tree_bytes
 from typer.testing import CliRunner
 
 from cli import app
@@ -21,11 +21,6 @@ runner = CliRunner()
 
 def quantkit(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def shard_of(src, tensor):
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    return src / index["weight_map"][tensor]
 
 
 def rewrite(src, tensor, fn):
@@ -139,11 +134,16 @@ def open_recipe_text(name):
     return resolve_recipe_path(name).read_text()
 
 
-def test_index_naming_a_missing_file(glm_copy, tmp_path):
-    index_path = glm_copy / "model.safetensors.index.json"
+def point_index(src, tensor, file):
+    """Make the index say ``tensor`` lives in ``file``."""
+    index_path = src / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    index["weight_map"][ATTN + ".weight"] = "model-00009-of-00009.safetensors"
+    index["weight_map"][tensor] = file
     index_path.write_text(json.dumps(index))
+
+
+def test_index_naming_a_missing_file(glm_copy, tmp_path):
+    point_index(glm_copy, ATTN + ".weight", "model-00009-of-00009.safetensors")
     before = tree_bytes(glm_copy)
     r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
     assert_clean_failure(r, glm_copy, before, "model.safetensors.index.json", "missing file", ATTN)
@@ -152,10 +152,7 @@ def test_index_naming_a_missing_file(glm_copy, tmp_path):
 def test_index_path_escaping_the_folder(glm_copy, tmp_path):
     outside = tmp_path / "evil.safetensors"
     shutil.copy(shard_of(glm_copy, ATTN + ".weight"), outside)
-    index_path = glm_copy / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["weight_map"][ATTN + ".weight"] = "../evil.safetensors"
-    index_path.write_text(json.dumps(index))
+    point_index(glm_copy, ATTN + ".weight", "../evil.safetensors")
     before = tree_bytes(glm_copy)
     r = quantkit(*convert_args(glm_copy, tmp_path / "dst"))
     assert_clean_failure(r, glm_copy, before, "escapes the checkpoint folder")

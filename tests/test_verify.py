@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import RECIPE_FOR
+from conftest import RECIPE_FOR, shard_of
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -40,13 +40,8 @@ def rules_of(report, check):
     return [f for f in report.findings if f.check == check]
 
 
-def shard_holding(folder, tensor):
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    return folder / index["weight_map"][tensor]
-
-
 def rewrite(folder, tensor, fn):
-    path = shard_holding(folder, tensor)
+    path = shard_of(folder, tensor)
     tensors = load_file(path)
     tensors[tensor] = fn(tensors[tensor])
     write_safetensors(path, tensors)
@@ -77,7 +72,7 @@ def test_transposed_pack_is_named(synthetic, glm_out):
 
 
 def test_flipped_bit_fails_integrity(glm_out):
-    path = shard_holding(glm_out, "model.norm.weight")
+    path = shard_of(glm_out, "model.norm.weight")
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
@@ -87,7 +82,7 @@ def test_flipped_bit_fails_integrity(glm_out):
 
 
 def test_truncated_shard_is_a_structure_finding(glm_out):
-    path = shard_holding(glm_out, "model.norm.weight")
+    path = shard_of(glm_out, "model.norm.weight")
     path.write_bytes(path.read_bytes()[:-64])
     report = verify(glm_out)
     assert not report.passed and rules_of(report, "structure")[0].rule == "readable checkpoint"
@@ -135,7 +130,7 @@ def test_mixed_precision_flagged_for_sglang_not_vllm(synthetic, tmp_path):
 
 def test_missing_expert_and_stray_tensor(synthetic, glm_out):
     stray = EXPERT.replace("experts.3", "experts.99")
-    path = shard_holding(glm_out, f"{EXPERT}.weight_packed")
+    path = shard_of(glm_out, f"{EXPERT}.weight_packed")
     tensors = load_file(path)
     for p in ("weight_packed", "weight_scale", "weight_shape"):
         tensors[f"{stray}.{p}"] = tensors.pop(f"{EXPERT}.{p}")
