@@ -179,7 +179,7 @@ def timed_run(cmd: list[str], env=None) -> dict:
 
 def run_quantkit(src: Path, dst: Path, device: str, workers: int | None) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
-    cmd = [sys.executable, "-m", "cli", "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
+    cmd = [sys.executable, "-m", "quantkit", "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
            "--device", device, "--json"]
     if workers:
         cmd += ["--workers", str(workers)]

@@ -12,7 +12,7 @@ import torch
 from conftest import shard_of, tree_bytes
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.checkpoint import read_shard_header
 from quantkit.shard_writer import write_safetensors
 

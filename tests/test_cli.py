@@ -7,7 +7,7 @@ import time
 
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 
 runner = CliRunner()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 
 
 def test_demo_gates_both_candidates_and_publishes_only_the_one_that_passes(smollm2_bf16, tmp_path):

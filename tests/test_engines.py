@@ -138,7 +138,7 @@ def test_malformed_json_is_named(smollm2_bf16, tmp_path):
 def test_stopping_quantkit_stops_the_server(smollm2_bf16, tmp_path, how):
     """Ctrl-C and SIGTERM unwind through the engine's cleanup; after SIGKILL the parent-death signal does it."""
     pids = tmp_path / "pids"
-    cmd = [sys.executable, "-c", "import cli; cli.main()", "eval", str(smollm2_bf16), "--engine", "sglang",
+    cmd = [sys.executable, "-c", "from quantkit.cli import main; main()", "eval", str(smollm2_bf16), "--engine", "sglang",
            "--tasks", "arc_easy", "--data-dir", str(DATA), "--out", str(tmp_path / "run"),
            "--engine-cmd", standin("never-healthy", pids), "--engine-timeout", "120"]
     # A shell that started the tests in the background may have left SIGINT ignored; Ctrl-C reaches a foreground quantkit.

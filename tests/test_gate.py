@@ -6,7 +6,7 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.gate import CannotCompare, gate, paired_interval
 
 

@@ -9,7 +9,7 @@ from conftest import RECIPE_FOR
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.calibrate_kv import calibrate_kv, layerwise_observe, whole_model_observe
 from quantkit.checkpoint import open_checkpoint
 from quantkit.convert import convert

@@ -5,7 +5,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.families import detect_family
 from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu

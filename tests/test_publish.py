@@ -9,7 +9,7 @@ import yaml
 from test_gate import suite, write_run
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.evaluation import model_checksums
 from quantkit.gate import gate

@@ -19,7 +19,7 @@ ARGS = ["-r", "glm5-int4-experts-g32", "--max-shard-size", "1MB", "--workers", "
 
 
 def run_cli(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "cli", "convert", *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "quantkit", "convert", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, **kw)
 
 

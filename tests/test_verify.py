@@ -9,7 +9,7 @@ from conftest import RECIPE_FOR, shard_of
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cli import app
+from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.engine_rules import EngineRules
 from quantkit.recipe import resolve_recipe_path
