@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.packaged import suite_path
 from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
 DATA = Path(__file__).resolve().parent / "data" / "evaldata"
-SUITE = Path(__file__).resolve().parent.parent / "eval" / "suites" / "small-model.yaml"
+SUITE = "small-model"  # built-in (quantkit.suites)
 CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "fp8": "dense-fp8-block"}
 
 
@@ -82,7 +83,7 @@ def demo(
             "verify": {"engine": "sglang", "tp": 1},
             "eval": {"engine": "hf", "tasks": ["arc_easy", "gsm8k"], "data_dir": str(data), "batch_size": 16,
                      "baseline_run": str(baseline)},
-            "suite": str(SUITE),
+            "suite": str(suite_path(SUITE)),
             "publish": {"repo": f"file://{work / 'published' / f'smollm2-135m-{name}-fp8kv'}",
                         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
         }

@@ -9,10 +9,10 @@ dictionary walk); a test holds the result equal to llm-compressor's own parsing.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
@@ -21,10 +21,12 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 from compressed_tensors.utils.match import match_name
+from pydantic import ValidationError
 
 from quantkit.errors import QuantkitError
+from quantkit.packaged import recipe_path
+from quantkit.yaml_file import load_yaml
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Modifiers whose algorithm needs calibration data; quantkit's converter is round-to-nearest.
 DATA_DEPENDENT = ("GPTQModifier", "AWQModifier", "SmoothQuantModifier", "AutoRoundModifier")
 
@@ -34,6 +36,14 @@ class Recipe:
     name: str
     sha256: str
     config: QuantizationConfig  # status "initialized": the compressed form is built at save time
+
+    def groups_for(self, module: str, is_linear: bool) -> list[tuple[str, QuantizationScheme]]:
+        """Every config group that targets ``module`` (none when ``ignore`` does): a recipe is
+        only unambiguous when this has at most one entry."""
+        if any(match_name(module, ign) for ign in self.config.ignore or []):
+            return []
+        return [(name, scheme) for name, scheme in self.config.config_groups.items()
+                if any((t == "Linear" and is_linear) or match_name(module, t) for t in scheme.targets)]
 
     def scheme_for(self, module: str, is_linear: bool) -> tuple[str, QuantizationScheme] | None:
         """The first config group whose targets match ``module`` (the first-match rule of
@@ -47,25 +57,11 @@ class Recipe:
         return None
 
 
-def resolve_recipe_path(recipe: str | Path) -> Path:
-    """A path, or the name of a built-in recipe (``glm5-int4-experts-g32``)."""
-    path = Path(recipe)
-    if path.is_file():
-        return path
-    for candidate in (RECIPES_DIR / f"{recipe}.yaml", RECIPES_DIR / str(recipe)):
-        if candidate.is_file():
-            return candidate
-    known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-    raise QuantkitError(f"no such recipe (built-in: {known})", recipe)
-
-
 def load_recipe(recipe: str | Path) -> Recipe:
-    path = resolve_recipe_path(recipe)
+    """A recipe file, or a built-in recipe by name, as compressed-tensors' config (every target regex checked)."""
+    path = recipe_path(recipe)
+    doc = load_yaml(path, "recipe")
     raw = path.read_bytes()
-    try:
-        doc = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise QuantkitError(f"invalid YAML: {exc}".splitlines()[0], path) from exc
     modifier = _find_modifier(doc, path)
     return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=_build_config(modifier, path))
 
@@ -90,11 +86,14 @@ def _find_modifier(node, path: Path) -> dict:
 
 
 def _build_config(mod: dict, path: Path) -> QuantizationConfig:
+    context = ""
     try:
         groups: dict[str, QuantizationScheme] = {}
         if mod.get("config_groups"):
             for name, group in mod["config_groups"].items():
+                context = f"config_groups.{name}."
                 groups[name] = QuantizationScheme.model_validate(group)
+        context = ""
         if mod.get("scheme") is not None:
             targets = mod.get("targets", ["Linear"])
             targets = [targets] if isinstance(targets, str) else list(targets)
@@ -107,12 +106,30 @@ def _build_config(mod: dict, path: Path) -> QuantizationConfig:
             raise QuantkitError("QuantizationModifier has neither config_groups nor scheme", path)
         kv = mod.get("kv_cache_scheme")
         ignore = mod.get("ignore") or []
-        return QuantizationConfig(
+        config = QuantizationConfig(
             config_groups=groups,
             ignore=[ignore] if isinstance(ignore, str) else list(ignore),
             kv_cache_scheme=QuantizationArgs.model_validate(kv) if kv else None,
             quantization_status=QuantizationStatus.INITIALIZED,
         )
-    except (ValueError, TypeError, KeyError) as exc:
-        first = str(exc).splitlines()[0]
-        raise QuantkitError(f"invalid QuantizationModifier: {first}", path) from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise QuantkitError(f"invalid QuantizationModifier: {context}{where}: {first['msg']}", path) from exc
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise QuantkitError(f"invalid QuantizationModifier: {' '.join(str(exc).split())[:300]}", path) from exc
+    _check_patterns(config, path)
+    return config
+
+
+def _check_patterns(config: QuantizationConfig, path: Path) -> None:
+    """Every ``re:`` target and ignore entry must compile: a typo is an error now, not a silent non-match later."""
+    entries = [t for scheme in config.config_groups.values() for t in scheme.targets] + list(config.ignore or [])
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise QuantkitError(f"invalid QuantizationModifier: target {entry!r} is not a string", path)
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                raise QuantkitError(f"invalid QuantizationModifier: target {entry!r}: bad regex ({exc})", path) from exc

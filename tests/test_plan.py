@@ -9,7 +9,7 @@ from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.families import detect_family
 from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu
-from quantkit.recipe import RECIPES_DIR
+from quantkit.packaged import recipes_dir
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
 
@@ -18,7 +18,7 @@ def output_bytes(folder):
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
 def test_prediction_equals_convert_for_every_recipe(synthetic, tmp_path, recipe):
     family = next(f for prefix, f in FAMILY_OF.items() if recipe.startswith(prefix))
     src = synthetic[family]

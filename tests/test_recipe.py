@@ -3,16 +3,17 @@
 import pytest
 
 from quantkit.errors import QuantkitError
-from quantkit.recipe import RECIPES_DIR, load_recipe
+from quantkit.packaged import recipes_dir
+from quantkit.recipe import load_recipe
 
-BUILT_IN = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+BUILT_IN = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_parsing_equals_llm_compressor(name):
     from llmcompressor.recipe import Recipe as LlmcRecipe
 
-    theirs = LlmcRecipe.create_instance(str(RECIPES_DIR / f"{name}.yaml")).modifiers[0].resolve_quantization_config()
+    theirs = LlmcRecipe.create_instance(str(recipes_dir() / f"{name}.yaml")).modifiers[0].resolve_quantization_config()
     ours = load_recipe(name).config
     assert list(ours.config_groups) == list(theirs.config_groups)
     for group, scheme in ours.config_groups.items():

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.engine_rules import EngineRules
-from quantkit.recipe import resolve_recipe_path
+from quantkit.packaged import recipe_path
 from quantkit.shard_writer import write_safetensors
 from quantkit.verify import verify
 
@@ -91,7 +91,7 @@ def test_truncated_shard_is_a_structure_finding(glm_out):
 
 def test_group_64_on_an_engine_without_it(synthetic, tmp_path):
     recipe = tmp_path / "g64.yaml"
-    recipe.write_text(resolve_recipe_path("glm5-int4-experts-g32").read_text().replace("group_size: 32", "group_size: 64"))
+    recipe.write_text(recipe_path("glm5-int4-experts-g32").read_text().replace("group_size: 32", "group_size: 64"))
     convert(synthetic["glm_moe_dsa"], tmp_path / "out", recipe, device="cpu")
     assert verify(tmp_path / "out", smoke=False).passed  # sglang and vllm take 64
     no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), None, True)
@@ -100,7 +100,7 @@ def test_group_64_on_an_engine_without_it(synthetic, tmp_path):
 
 
 def test_gate_and_up_with_different_schemes(synthetic, tmp_path):
-    text = resolve_recipe_path("glm5-int4-experts-g32").read_text()
+    text = recipe_path("glm5-int4-experts-g32").read_text()
     text = text.replace(r"(gate|up|down)_proj$", r"(gate|down)_proj$")
     text = text.replace("      config_groups:\n", "      config_groups:\n        up_g128:\n"
                         "          targets: [\"re:.*mlp\\\\.experts\\\\.\\\\d+\\\\.up_proj$\"]\n"

@@ -1,0 +1,1 @@
+"""Built-in gate suites, installed as quantkit.suites (see quantkit/packaged.py)."""

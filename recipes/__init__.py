@@ -1,0 +1,1 @@
+"""Built-in recipes, installed as quantkit.recipes (see quantkit/packaged.py)."""
