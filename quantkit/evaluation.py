@@ -7,8 +7,10 @@ the model with quantkit's strict loader (so INT4 MoE experts are really there) a
 an FP8 KV cache with the checkpoint's calibrated scales.
 
 RUN_DIR keeps ``run.json`` (provenance), ``samples/<task>.jsonl`` (per item: id, prompt hash,
-correct, choice log-likelihoods, gold), ``results.json`` (scores with stderr) and lm-eval's
-request cache, so a re-run with the same RUN_DIR resumes from cached requests.
+correct, choice log-likelihoods, gold), ``results.json`` (scores with stderr) and a request
+cache of JSON lines (never pickles: request_cache.py), so a re-run with the same RUN_DIR resumes.
+The task YAML handed to lm-eval is written to a private temporary folder for each run, never
+read from RUN_DIR, whose files anyone who shares the folder may have changed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -23,6 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.request_cache import CachedLM, RequestCache
+from quantkit.run_dir import (
+    EngineRecord,
+    RunRecord,
+    SampleRecord,
+    TaskIdentity,
+    TaskScore,
+    read_run_record,
+    read_scores,
+    write_run_record,
+    write_samples,
+    write_scores,
+)
 from quantkit.shard_writer import sha256_file
 
 # Zero-shot tasks over local files in the hub's schema. {data} is the data directory.
@@ -79,8 +95,8 @@ class EvalResult:
     seconds: float
 
 
-def task_yaml(task: str, data_dir: Path) -> tuple[str, str]:
-    """The lm-eval YAML for a task over local data, and a hash that names the data by content."""
+def task_yaml(task: str, data_dir: Path) -> tuple[str, str, int]:
+    """The lm-eval YAML for a task over local data, a hash that names the data by content, and its item count."""
     import yaml
 
     spec = TASKS[task]
@@ -108,30 +124,44 @@ def task_yaml(task: str, data_dir: Path) -> tuple[str, str]:
                                "ignore_case": True, "ignore_punctuation": False,
                                "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}]
     identity = dict(doc, dataset_kwargs={"data_sha256": sha256_file(data)})
-    return yaml.safe_dump(doc, sort_keys=False), hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    with open(data, "rb") as f:
+        items = sum(1 for line in f if line.strip())
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return yaml.safe_dump(doc, sort_keys=False), digest, items
 
 
-def task_configs(tasks: list[str], data_dir: str | os.PathLike | None) -> dict[str, tuple[str | None, str]]:
-    """task -> (its lm-eval YAML over the local data, or None for lm-eval's own task; its config hash)."""
+def task_configs(tasks: list[str], data_dir: str | os.PathLike | None) -> dict[str, tuple[str | None, str, int | None]]:
+    """task -> (its lm-eval YAML over the local data, or None for lm-eval's own task; its config hash; its items)."""
     if data_dir is None:
-        return {t: (None, f"lm-eval builtin {t}") for t in tasks}
+        return {t: (None, f"lm-eval builtin {t}", None) for t in tasks}
     return {t: task_yaml(t, Path(data_dir)) for t in tasks}
 
 
-def task_identities(configs: dict[str, tuple[str | None, str]], limit: int | None) -> dict[str, dict]:
-    """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit."""
-    return {t: {"config_sha256": digest, "num_fewshot": 0, "limit": limit} for t, (_, digest) in configs.items()}
+def task_identities(configs: dict[str, tuple[str | None, str, int | None]], limit: int | None) -> dict[str, TaskIdentity]:
+    """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit, items scored."""
+    return {t: TaskIdentity(config_sha256=digest, num_fewshot=0, limit=limit,
+                            items=None if items is None else min(items, limit or items))
+            for t, (_, digest, items) in configs.items()}
 
 
 def model_checksums(path: Path) -> dict[str, str]:
-    from quantkit.checkpoint import open_checkpoint
+    """sha256 of every file that ships with the model (what publish uploads, less the card it
+    writes), so a verdict binds the config, tokenizer and code as well as the weights. Shards
+    the manifest records at their recorded size take its sha256 (hours of hashing saved on a
+    700 GB model); publish hashes every file again before anything ships."""
     from quantkit.manifest import load_manifest
+    from quantkit.publish import CARD_NAME, upload_list
 
     manifest = load_manifest(path)
-    shards = open_checkpoint(path).shards
-    if manifest is not None and all(s.name in manifest.shards for s in shards):
-        return {s.name: manifest.shards[s.name].sha256 for s in shards}
-    return {s.name: sha256_file(s.path) for s in shards}
+    recorded = manifest.shards if manifest is not None else {}
+    sums = {}
+    for f in upload_list(path):
+        name = f["name"]
+        if name == CARD_NAME:
+            continue
+        record = recorded.get(name)
+        sums[name] = record.sha256 if record is not None and record.size == f["bytes"] else sha256_file(path / name)
+    return sums
 
 
 ENGINES = ("hf", "sglang", "openai")
@@ -139,6 +169,7 @@ ENGINES = ("hf", "sglang", "openai")
 
 def evaluate(
     model: str | os.PathLike,
+    *,
     engine: str = "hf",
     tasks: list[str] | None = None,
     data_dir: str | os.PathLike | None = None,
@@ -153,6 +184,7 @@ def evaluate(
     mem_fraction: float | None = None,
     health_timeout: float = 1800.0,
     on_progress: Callable[[str, int, int], None] | None = None,
+    on_launch: Callable[[list[str]], None] | None = None,
 ) -> EvalResult:
     """Score MODEL on the tasks with one engine and keep every item's outcome in RUN_DIR.
 
@@ -160,6 +192,7 @@ def evaluate(
     stops it after; ``openai`` talks to a running server at ``url``. For the server engines MODEL is
     still the local checkpoint: its tokenizer splits context from continuation, its checksums go
     into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
+    ``engine_cmd`` is executable configuration: it runs as given, and ``on_launch(argv)`` is told first.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -186,18 +219,10 @@ def evaluate(
         if kv_cache_dtype == "fp8_e4m3" and not scales:
             raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first", path)
     run_dir = Path(out) if out else Path("runs") / path.name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise QuantkitError("RUN_DIR exists and is not a folder", run_dir)
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-    (run_dir / "tasks").mkdir(exist_ok=True)
-
     configs = task_configs(tasks, data_dir)
-    names = []
-    for task, (text, _) in configs.items():
-        if text is None:
-            names.append(task)
-            continue
-        (run_dir / "tasks" / f"quantkit_{task}.yaml").write_text(text)
-        names.append(f"quantkit_{task}")
-
     tokenizer = _tokenizer(path)
     template = getattr(tokenizer, "chat_template", None) or ""
     provenance = {
@@ -210,12 +235,19 @@ def evaluate(
         "chat_template_applied": False,
         "seeds": SEEDS,
     }
-    _check_same_family(run_dir, provenance)
+    previous = _previous_run(run_dir)
+    _check_same_family(run_dir, previous, provenance)
 
     server = None
     with ExitStack() as stack:
+        task_folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-tasks-")))
+        names = []
+        for task, (text, _, _) in configs.items():
+            if text is not None:
+                (task_folder / f"quantkit_{task}.yaml").write_text(text)
+            names.append(task if text is None else f"quantkit_{task}")
         if engine == "hf":
-            lm, provenance["engine"] = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
+            lm, engine_record = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
         else:
             if engine == "sglang":
                 from quantkit.serving import (
@@ -228,19 +260,23 @@ def evaluate(
                 spec = LaunchSpec(str(path.resolve()), tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype,
                                   mem_fraction=mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
                 server = SGLangServer(engine_command(engine_cmd), spec, run_dir / "server.log", health_timeout)
+                if on_launch is not None:
+                    on_launch(server.command)
                 url = stack.enter_context(server)
             settings = engine_settings(engine, kv_cache_dtype, batch_size, tp, ep, mem_fraction)
-            lm, provenance["engine"], provenance["server"] = _api_engine(engine, url, path, batch_size, settings)
-        _check_same_run(run_dir, provenance)
-        (run_dir / "run.json").write_text(json.dumps(provenance, indent=2) + "\n")
+            lm, engine_record, provenance["server"] = _api_engine(engine, url, path, batch_size, settings)
+        record = RunRecord(**provenance, engine=engine_record)
+        _check_same_run(run_dir, previous, record)
+        write_run_record(run_dir, record)
 
-        manager = TaskManager(include_path=str(run_dir / "tasks")) if data_dir is not None else TaskManager()
+        manager = TaskManager(include_path=str(task_folder)) if data_dir is not None else TaskManager()
+        cached = CachedLM(lm, RequestCache(run_dir / "cache" / "requests.jsonl"))
         scores = {}
         for task, name in zip(tasks, names):
             try:
                 result = lm_eval.simple_evaluate(
-                    model=TaskProgress(lm, task, on_progress), tasks=[name], task_manager=manager, limit=limit,
-                    log_samples=True, use_cache=str(run_dir / "cache" / "requests"), **SEEDS)
+                    model=TaskProgress(cached, task, on_progress), tasks=[name], task_manager=manager, limit=limit,
+                    log_samples=True, **SEEDS)
             except (QuantkitError, KeyboardInterrupt):
                 raise
             except Exception as exc:
@@ -250,8 +286,9 @@ def evaluate(
                     server.check_alive(f"during task {task}")
                 raise EngineError(f"{url} failed during task {task}: {_cause(exc)}") from exc
             scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name])
-    (run_dir / "results.json").write_text(json.dumps(scores, indent=2) + "\n")
-    return EvalResult(str(path), str(run_dir), engine, scores, time.perf_counter() - started)
+    write_scores(run_dir, scores)
+    return EvalResult(str(path), str(run_dir), engine, {t: s.model_dump() for t, s in scores.items()},
+                      time.perf_counter() - started)
 
 
 def engine_settings(engine: str, kv_cache_dtype: str, batch_size: int, tp: int = 1, ep: int = 1,
@@ -277,14 +314,14 @@ def finished_run(run_dir: str | os.PathLike, model: str | os.PathLike, engine: s
     """
     run_dir = Path(run_dir)
     try:
-        meta = json.loads((run_dir / "run.json").read_text())
-        scores = json.loads((run_dir / "results.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        meta = read_run_record(run_dir)
+        scores = read_scores(run_dir)
+    except QuantkitError:
         return False
-    return (meta.get("model_checksums") == model_checksums(Path(model))
-            and meta.get("tasks") == task_identities(task_configs(tasks, data_dir), limit)
-            and meta.get("engine", {}).get("name") == engine
-            and meta.get("engine", {}).get("args") == settings
+    return (meta.model_checksums == model_checksums(Path(model))
+            and meta.tasks == task_identities(task_configs(tasks, data_dir), limit)
+            and meta.engine.name == engine
+            and meta.engine.args == settings
             and set(scores) == set(tasks)
             and all((run_dir / "samples" / f"{t}.jsonl").is_file() for t in tasks))
 
@@ -311,8 +348,8 @@ def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scal
     lm_model = load_model(path)
     if scales:
         stack.enter_context(kv_hooks(lm_model, detect_family(open_checkpoint(path).config).attention, scales=scales))
-    engine = {"name": "hf", "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
-              "args": engine_settings("hf", kv_cache_dtype, batch_size)}
+    engine = EngineRecord(name="hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
+                          args=engine_settings("hf", kv_cache_dtype, batch_size))
     return HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size), engine
 
 
@@ -331,7 +368,7 @@ def _api_engine(engine: str, url: str, path: Path, batch_size: int, settings: di
     lm = LocalCompletionsAPI(model=served, base_url=f"{url}/v1/completions", tokenizer=str(path),
                              tokenizer_backend="huggingface", num_concurrent=batch_size, max_retries=3,
                              seed=SEEDS["random_seed"])
-    engine_meta = {"name": engine, "version": str(version), "args": dict(settings)}
+    engine_meta = EngineRecord(name=engine, version=str(version), args=dict(settings))
     return lm, engine_meta, {"url": url, "served_model": served}
 
 
@@ -349,21 +386,22 @@ def _cause(exc: BaseException) -> str:
     return f"{type(chain[-1]).__name__}: {chain[-1]}".replace("\n", " ")[:300]
 
 
-def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) -> dict:
+def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) -> TaskScore:
     metric = TASKS[task]["metric"]
     key = next(k for k in results if k.startswith(metric + ",") and "stderr" not in k)
     stderr = results.get(key.replace(",", "_stderr,", 1))
-    score = {"score": 100 * float(results[key]), "stderr": 100 * float(stderr) if isinstance(stderr, (int, float)) else 0.0,
-             "n": len(rows)}
-    with open(run_dir / "samples" / f"{task}.jsonl", "w") as f:
-        for row in rows:
-            record = {"item_id": f"{task}-{row['doc_id']}", "prompt_hash": row["prompt_hash"],
-                      "correct": int(row[metric] > 0), "gold": row["target"] if isinstance(row["target"], int) else None}
-            if TASKS[task]["output_type"] == "multiple_choice":
-                record["choice_logprobs"] = [float(r[0]) for r in row["filtered_resps"]]
-            else:
-                record["response"] = row["filtered_resps"][0] if row["filtered_resps"] else ""
-            f.write(json.dumps(record) + "\n")
+    score = TaskScore(score=100 * float(results[key]), n=len(rows),
+                      stderr=100 * float(stderr) if isinstance(stderr, (int, float)) else 0.0)
+    records = []
+    for row in rows:
+        record = SampleRecord(item_id=f"{task}-{row['doc_id']}", prompt_hash=row["prompt_hash"],
+                              correct=int(row[metric] > 0), gold=row["target"] if isinstance(row["target"], int) else None)
+        if TASKS[task]["output_type"] == "multiple_choice":
+            record.choice_logprobs = [float(r[0]) for r in row["filtered_resps"]]
+        else:
+            record.response = row["filtered_resps"][0] if row["filtered_resps"] else ""
+        records.append(record)
+    write_samples(run_dir, task, records)
     return score
 
 
@@ -377,21 +415,28 @@ def model_family(path: Path) -> dict:
             "tokenizer_sha256": sha256_file(tokenizer) if tokenizer.is_file() else None}
 
 
-def _check_same_family(run_dir: Path, provenance: dict) -> None:
-    previous = run_dir / "run.json"
-    if previous.is_file():
-        old = json.loads(previous.read_text()).get("model_family")
-        if old is not None and old != provenance["model_family"]:
-            raise QuantkitError(f"holds a run of another model family ({old.get('model_type')}, tokenizer "
-                                f"{str(old.get('tokenizer_sha256'))[:12]}) than {provenance['model']} "
-                                f"({provenance['model_family']['model_type']}); use another --out", run_dir)
+def _previous_run(run_dir: Path) -> RunRecord | None:
+    """The run RUN_DIR already holds, validated (a folder someone else wrote is read as data, strictly)."""
+    if not (run_dir / "run.json").exists():
+        return None
+    try:
+        return read_run_record(run_dir)
+    except QuantkitError as exc:
+        raise QuantkitError(f"{exc.message}; use another --out", exc.file) from exc
 
 
-def _check_same_run(run_dir: Path, provenance: dict) -> None:
+def _check_same_family(run_dir: Path, previous: RunRecord | None, provenance: dict) -> None:
+    old = previous.model_family if previous is not None else None
+    if old is not None and old != provenance["model_family"]:
+        raise QuantkitError(f"holds a run of another model family ({old.get('model_type')}, tokenizer "
+                            f"{str(old.get('tokenizer_sha256'))[:12]}) than {provenance['model']} "
+                            f"({provenance['model_family']['model_type']}); use another --out", run_dir)
+
+
+def _check_same_run(run_dir: Path, previous: RunRecord | None, record: RunRecord) -> None:
     """A RUN_DIR resumes only the same run: cached requests of another model or setup would lie."""
-    previous = run_dir / "run.json"
-    if previous.is_file():
-        old = json.loads(previous.read_text())
-        for key in ("model", "model_checksums", "engine", "tasks"):
-            if old.get(key) != provenance.get(key):
-                raise QuantkitError(f"holds a run with a different {key}; use another --out", run_dir)
+    if previous is None:
+        return
+    for key in ("model", "model_checksums", "engine", "tasks"):
+        if getattr(previous, key) != getattr(record, key):
+            raise QuantkitError(f"holds a run with a different {key}; use another --out", run_dir)

@@ -13,47 +13,65 @@ A run directory holds ``run.json`` (provenance) and ``samples/<task>.jsonl``, on
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
+from typing import Literal
 
-from quantkit.errors import QuantkitError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quantkit.errors import CannotCompare, QuantkitError
+from quantkit.packaged import suite_path
+from quantkit.run_dir import SampleRecord, read_run_record, read_samples
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
 MODEL_FIELDS = ("model", "model_checksums", "created", "server")
-DEFAULT_SUITE = Path(__file__).resolve().parent.parent / "eval" / "suites" / "release.yaml"
+DEFAULT_SUITE = "release"
+
+__all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_suite", "paired_interval"]
 
 
-class CannotCompare(QuantkitError):
-    """The runs differ in something other than the model: no verdict is possible (exit 2)."""
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-@dataclass
-class Suite:
+class TaskSpec(_Strict):
+    margin: float | None = Field(default=None, ge=0, le=100)
+
+
+class Suite(_Strict):
+    """A suite file: which tasks gate a release, each with its margin in accuracy points."""
+
     tasks: dict[str, float]  # task -> margin in accuracy points
-    alpha: float = 0.05
-    correction: str = "bonferroni"
-    decide_by: list[str] = field(default_factory=lambda: ["accuracy"])
-    loglik_margin: float = 0.1  # nats: the correct answer's log-likelihood may drop this much at most
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    correction: Literal["bonferroni", "none"] = "bonferroni"
+    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"], min_length=1)
+    loglik_margin: float = Field(default=0.1, ge=0)  # nats: the correct answer's log-likelihood may drop this much
     # Provenance fields the candidate may change besides its weights, because they ship with it
     # (the decode pool's FP8 KV cache: engine.args.kv_cache_dtype). Printed with every verdict.
-    may_differ: list[str] = field(default_factory=list)
+    may_differ: list[str] = Field(default_factory=list)
 
 
-@dataclass
-class Signal:
+class _SuiteFile(_Strict):
+    tasks: dict[str, TaskSpec | None] = Field(min_length=1)
+    margin: float = Field(default=1.0, ge=0, le=100)
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    correction: Literal["bonferroni", "none"] = "bonferroni"
+    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"], min_length=1)
+    loglik_margin: float = Field(default=0.1, ge=0)
+    may_differ: list[str] = Field(default_factory=list)
+
+
+class Signal(_Strict):
     name: str
     estimate: float
-    low: float
-    high: float
+    low: float | None = None  # None: a point estimate without an interval
+    high: float | None = None
     unit: str
 
 
-@dataclass
-class TaskVerdict:
+class TaskVerdict(_Strict):
     task: str
     n: int
     baseline: float  # accuracy, percent
@@ -66,61 +84,51 @@ class TaskVerdict:
     flip_rate: float  # share of items whose correctness changed
     certifiable_margin: float  # points this n can certify at the observed discordance (true delta 0)
     items_for_margin: int  # items needed to certify the margin at that discordance
-    signals: list[Signal] = field(default_factory=list)
-    decided_by: list[str] = field(default_factory=list)
+    signals: list[Signal] = Field(default_factory=list)
+    decided_by: list[str] = Field(default_factory=list)
 
 
-@dataclass
-class GateReport:
+class GateReport(_Strict):
+    """The verdict (verdict.json): what publish and the model card trust."""
+
     baseline: str
     candidate: str
     passed: bool
     confidence: float  # per task, after the correction
     correction: str
     tasks: list[TaskVerdict]
-    candidate_checksums: dict[str, str]
-    allowed_differences: list[str] = field(default_factory=list)  # by the suite's may_differ
-    report_files: list[str] = field(default_factory=list)
+    candidate_checksums: dict[str, str]  # every file the candidate ships with -> sha256
+    allowed_differences: list[str] = Field(default_factory=list)  # by the suite's may_differ
+    report_files: list[str] = Field(default_factory=list)
 
 
 def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> Suite:
-    import yaml
+    """A suite file, or a built-in suite by name (``release``, ``small-model``); ``margin`` overrides every task's."""
+    from quantkit.yaml_file import load_yaml
 
-    path = Path(path) if path else DEFAULT_SUITE
-    if not path.is_file():
-        raise QuantkitError("suite file not found", path)
-    doc = yaml.safe_load(path.read_text()) or {}
-    tasks = {}
-    for name, spec in (doc.get("tasks") or {}).items():
-        spec = spec or {}
-        tasks[name] = float(margin if margin is not None else spec.get("margin", doc.get("margin", 1.0)))
-    if not tasks:
-        raise QuantkitError("suite lists no tasks", path)
-    decide = list(doc.get("decide_by") or ["accuracy"])
-    unknown = set(decide) - {"accuracy", "loglik"}
-    if unknown:
-        raise QuantkitError(f"decide_by: unknown signal {sorted(unknown)[0]} (accuracy, loglik)", path)
-    return Suite(tasks, float(doc.get("alpha", 0.05)), str(doc.get("correction", "bonferroni")), decide,
-                 float(doc.get("loglik_margin", 0.1)), [str(f) for f in doc.get("may_differ") or []])
+    path = suite_path(path or DEFAULT_SUITE)
+    doc = load_yaml(path, "suite")
+    try:
+        spec = _SuiteFile.model_validate(doc if doc is not None else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise QuantkitError(f"invalid suite: {where}: {first['msg']}", path) from exc
+    tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
+             for name, t in spec.tasks.items()}
+    return Suite(tasks=tasks, alpha=spec.alpha, correction=spec.correction, decide_by=spec.decide_by,
+                 loglik_margin=spec.loglik_margin, may_differ=spec.may_differ)
 
 
-def load_run(run_dir: Path) -> tuple[dict, dict[str, dict[str, dict]]]:
-    meta_path = run_dir / "run.json"
-    if not meta_path.is_file():
-        raise CannotCompare("not a run directory (no run.json)", run_dir)
-    meta = json.loads(meta_path.read_text())
-    samples: dict[str, dict[str, dict]] = {}
-    for f in sorted((run_dir / "samples").glob("*.jsonl")):
-        rows = {}
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                    rows[str(row["item_id"])] = row
-                except (json.JSONDecodeError, KeyError) as exc:
-                    raise CannotCompare(f"line {n}: malformed sample ({exc})", f) from exc
-        samples[f.stem] = rows
-    return meta, samples
+def load_run(run_dir: Path, tasks: list[str]) -> tuple[dict, dict[str, dict[str, SampleRecord]]]:
+    """A run's provenance (as a dict, for comparing) and the named tasks' records, strictly validated."""
+    record = read_run_record(run_dir)
+    samples = {}
+    for task in tasks:
+        if task not in record.tasks:
+            raise CannotCompare(f"task {task} is not in this run", run_dir / "run.json")
+        samples[task] = read_samples(run_dir, task, record.tasks[task].items)
+    return record.model_dump(), samples
 
 
 def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -142,6 +150,8 @@ def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
 def paired_interval(diffs: list[float], z: float) -> tuple[float, float, float]:
     """Mean of paired differences with a normal-approximation interval."""
     n = len(diffs)
+    if n == 0:
+        raise ValueError("no paired items")
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
     half = z * math.sqrt(var / n)
@@ -155,9 +165,19 @@ def gate(
     margin: float | None = None,
     report_dir: str | os.PathLike | None = None,
 ) -> GateReport:
-    spec = load_suite(suite, margin)
-    base_meta, base = load_run(Path(baseline))
-    cand_meta, cand = load_run(Path(candidate))
+    """Compare CANDIDATE's run with BASELINE's per the suite; write the report files when ``report_dir`` is given.
+
+    Raises CannotCompare (no verdict either way) when the runs or the suite cannot be read, or the
+    runs differ in more than the model and what the suite's ``may_differ`` allows.
+    """
+    try:
+        spec = load_suite(suite, margin)
+    except CannotCompare:
+        raise
+    except QuantkitError as exc:
+        raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
+    base_meta, base = load_run(Path(baseline), list(spec.tasks))
+    cand_meta, cand = load_run(Path(candidate), list(spec.tasks))
     all_diffs = provenance_differences(base_meta, cand_meta)
     allowed = [d for d in all_diffs if d.split(":", 1)[0] in spec.may_differ]
     diffs = [d for d in all_diffs if d not in allowed]
@@ -168,14 +188,12 @@ def gate(
     z = NormalDist().inv_cdf(1 - alpha / 2)
     verdicts = []
     for task, task_margin in spec.tasks.items():
-        if task not in base or task not in cand:
-            raise CannotCompare(f"task {task} missing from {'baseline' if task not in base else 'candidate'}", candidate)
         b, c = base[task], cand[task]
         if set(b) != set(c):
             raise CannotCompare(f"task {task}: the runs scored different items ({len(set(b) ^ set(c))} differ)", candidate)
         ids = sorted(b)
         for i in ids:
-            if b[i].get("prompt_hash") != c[i].get("prompt_hash"):
+            if b[i].prompt_hash != c[i].prompt_hash:
                 raise CannotCompare(f"task {task}: item {i} was prompted differently", candidate)
         verdicts.append(_task_verdict(task, ids, b, c, task_margin, z, spec))
     report = GateReport(
@@ -191,6 +209,8 @@ def gate(
     if report_dir is not None:
         from quantkit.reporting import write_gate_report
 
+        if Path(report_dir).exists() and not Path(report_dir).is_dir():
+            raise CannotCompare("the report folder is a file", report_dir)
         report.report_files = [str(p) for p in write_gate_report(report, Path(report_dir))]
     return report
 
@@ -198,25 +218,28 @@ def gate(
 def _task_verdict(task, ids, b, c, margin, z, spec: Suite) -> TaskVerdict:
     decide_by = spec.decide_by
     n = len(ids)
-    acc_b = [float(b[i]["correct"]) for i in ids]
-    acc_c = [float(c[i]["correct"]) for i in ids]
+    acc_b = [float(b[i].correct) for i in ids]
+    acc_c = [float(c[i].correct) for i in ids]
     delta, low, high = paired_interval([100 * (y - x) for x, y in zip(acc_b, acc_c)], z)
     discordant = sum(x != y for x, y in zip(acc_b, acc_c)) / n
     certifiable = z * 100 * math.sqrt(discordant / n) if n else math.inf
     needed = math.ceil(z * z * discordant * 1e4 / (margin * margin)) if margin > 0 else 0
     signals = []
     loglik_ok = True
-    with_choices = [i for i in ids if b[i].get("choice_logprobs") and "gold" in b[i] and c[i].get("choice_logprobs")]
+    with_choices = [i for i in ids if b[i].choice_logprobs and b[i].gold is not None and c[i].choice_logprobs]
+    for i in with_choices:
+        if len(b[i].choice_logprobs) != len(c[i].choice_logprobs) or b[i].gold != c[i].gold:
+            raise CannotCompare(f"task {task}: item {i} has other choices or another gold answer in the two runs")
     if with_choices:
-        d_ll = [c[i]["choice_logprobs"][c[i]["gold"]] - b[i]["choice_logprobs"][b[i]["gold"]] for i in with_choices]
+        d_ll = [c[i].choice_logprobs[c[i].gold] - b[i].choice_logprobs[b[i].gold] for i in with_choices]
         m, lo, hi = paired_interval(d_ll, z)
-        signals.append(Signal("delta loglik of the correct answer", m, lo, hi, "nats"))
+        signals.append(Signal(name="delta loglik of the correct answer", estimate=m, low=lo, high=hi, unit="nats"))
         loglik_ok = lo > -spec.loglik_margin
-        flips = sum(_argmax(b[i]["choice_logprobs"]) != _argmax(c[i]["choice_logprobs"]) for i in with_choices)
-        signals.append(Signal("choice flip rate", 100 * flips / len(with_choices), math.nan, math.nan, "%"))
-        kls = [_kl(b[i]["choice_logprobs"], c[i]["choice_logprobs"]) for i in with_choices]
+        flips = sum(_argmax(b[i].choice_logprobs) != _argmax(c[i].choice_logprobs) for i in with_choices)
+        signals.append(Signal(name="choice flip rate", estimate=100 * flips / len(with_choices), unit="%"))
+        kls = [_kl(b[i].choice_logprobs, c[i].choice_logprobs) for i in with_choices]
         m, lo, hi = paired_interval(kls, z)
-        signals.append(Signal("KL(baseline || candidate) of choices", m, lo, hi, "nats"))
+        signals.append(Signal(name="KL(baseline || candidate) of choices", estimate=m, low=lo, high=hi, unit="nats"))
     passed = True
     if "accuracy" in decide_by:
         passed &= low > -margin

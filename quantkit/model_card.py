@@ -11,8 +11,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import quantkit
+from quantkit.model_config import is_moe
+from quantkit.run_dir import read_run_record
+
+if TYPE_CHECKING:
+    from quantkit.gate import GateReport
 
 # task -> (hub dataset, name, config, metric)
 DATASETS = {
@@ -58,7 +64,7 @@ def serving_tp(total_bytes: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | None = None) -> str:
+def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str | None = None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
     from quantkit.inspection import inspect_checkpoint
@@ -76,14 +82,14 @@ def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | Non
     formats = _formats(config)
     tags = ["quantkit", "compressed-tensors"] + [t for f in formats for t in FORMAT_TAGS[f]]
     tags += ["fp8-kv-cache"] if fp8_kv else []
-    if any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
+    if is_moe(config):
         tags.append("mixture-of-experts")
     results = []
-    for t in (verdict or {}).get("tasks", []):
-        dataset, pretty, subset, metric = DATASETS.get(t["task"], (t["task"], t["task"], None, "accuracy"))
+    for t in verdict.tasks if verdict else []:
+        dataset, pretty, subset, metric = DATASETS.get(t.task, (t.task, t.task, None, "accuracy"))
         results.append(EvalResult(task_type="text-generation", dataset_type=dataset, dataset_name=pretty,
                                   dataset_config=subset, dataset_split="test", metric_type=metric,
-                                  metric_value=round(t["candidate"], 2)))
+                                  metric_value=round(t.candidate, 2)))
     data = ModelCardData(
         license=source_meta.get("license"),
         base_model=base_model or source_meta.get("base_model"),
@@ -120,34 +126,32 @@ def model_card(dst: Path, repo: str, verdict: dict | None, base_model: str | Non
     return "\n".join(lines) + "\n"
 
 
-def _gate_section(verdict: dict | None) -> list[str]:
+def _gate_section(verdict: GateReport | None) -> list[str]:
     if verdict is None:
         return ["## Evaluation", "", "**Not gated.** This checkpoint was published with `--force-ungated`: no "
                 "comparison against the original model vouches for its accuracy.", ""]
     lines = ["## Release gate: PASS", "",
-             f"Paired non-inferiority test against the original on the same items, {verdict['confidence']:.2%} "
-             f"intervals per task (correction: {verdict['correction']}).", "",
+             f"Paired non-inferiority test against the original on the same items, {verdict.confidence:.2%} "
+             f"intervals per task (correction: {verdict.correction}).", "",
              "| benchmark | n | original | this model | delta | interval | margin | verdict |",
              "|---|---|---|---|---|---|---|---|"]
-    for t in verdict["tasks"]:
-        lines.append(f"| {t['task']} | {t['n']} | {t['baseline']:.2f} | {t['candidate']:.2f} | {t['delta']:+.2f} | "
-                     f"[{t['low']:+.2f}, {t['high']:+.2f}] | -{t['margin']:g} | {'pass' if t['passed'] else 'FAIL'} |")
+    for t in verdict.tasks:
+        lines.append(f"| {t.task} | {t.n} | {t.baseline:.2f} | {t.candidate:.2f} | {t.delta:+.2f} | "
+                     f"[{t.low:+.2f}, {t.high:+.2f}] | -{t.margin:g} | {'pass' if t.passed else 'FAIL'} |")
     return lines + [""]
 
 
-def _provenance_section(manifest, verdict: dict | None) -> list[str]:
+def _provenance_section(manifest, verdict: GateReport | None) -> list[str]:
     lines = ["## Provenance", "", f"- quantkit {quantkit.__version__}"]
     if manifest is not None:
         lines += [f"- source fingerprint `{manifest.source_fingerprint}`",
                   f"- recipe `{manifest.recipe_name}` (sha256 `{manifest.recipe_sha256[:16]}…`)"]
     for role in ("baseline", "candidate"):
-        run = Path((verdict or {}).get(role, "")) / "run.json"
-        if verdict and run.is_file():
-            meta = json.loads(run.read_text())
-            engine = meta.get("engine", {})
-            lines.append(f"- {role} evaluated with {engine.get('name')} ({engine.get('version')}), "
-                         f"lm-eval {meta.get('lm_eval_version')}")
+        run = Path(getattr(verdict, role)) if verdict else None
+        if run is not None and (run / "run.json").is_file():
+            meta = read_run_record(run)
+            lines.append(f"- {role} evaluated with {meta.engine.name} ({meta.engine.version}), "
+                         f"lm-eval {meta.lm_eval_version}")
     if verdict:
-        checksums = verdict.get("candidate_checksums", {})
-        lines.append(f"- gated shards: {len(checksums)}, sha256 in `quantkit-manifest.json`")
+        lines.append(f"- gated files: {len(verdict.candidate_checksums)}, each bound by its sha256 in the verdict")
     return lines + [""]

@@ -1,7 +1,7 @@
 """``publish``: ship a converted checkpoint, and only the one that was gated.
 
-The gate's verdict records the candidate's shard checksums; publish hashes DST's shards now and
-refuses unless they are the same files (or ``force_ungated``, which the card then says). It writes
+The gate's verdict records the sha256 of every file the candidate ships (weights, config,
+tokenizer, code); publish hashes DST's files now and refuses unless they are the same files (or ``force_ungated``, which the card then says). It writes
 the model card into DST as README.md and uploads DST with huggingface_hub's resumable large-folder
 upload, or copies it to a local folder for a ``file://`` target. The token is huggingface_hub's
 business (HF_TOKEN or the stored login): quantkit never reads, prints or logs it.
@@ -9,15 +9,28 @@ business (HF_TOKEN or the stored login): quantkit never reads, prints or logs it
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from quantkit.errors import QuantkitError
-from quantkit.shard_writer import sha256_file, write_bytes_atomic
+from quantkit.shard_writer import (
+    LOCK_NAME,
+    PARTIAL_SUFFIX,
+    copy_file_atomic,
+    folder_lock,
+    sha256_file,
+    write_bytes_atomic,
+)
 
+if TYPE_CHECKING:
+    from quantkit.gate import GateReport
+
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
 HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
 CARD_NAME = "README.md"
 # Never uploaded: upload state, partial files of an interrupted convert, RUN_DIRs kept beside the model.
@@ -42,6 +55,7 @@ class PublishResult:
 def publish(
     dst: str | os.PathLike,
     repo: str,
+    *,
     gate: str | os.PathLike | None = None,
     private: bool = False,
     revision: str | None = None,
@@ -50,12 +64,20 @@ def publish(
     base_model: str | None = None,
     api=None,
 ) -> PublishResult:
-    """Check the gate against DST, write the card, upload. ``api``: an ``HfApi`` (tests pass a recorder)."""
+    """Check the gate against DST, write the card, upload. ``api``: an ``HfApi`` (tests pass a recorder).
+
+    :param repo: ``ORG/NAME`` on the hub, or ``file://DIR`` for a new or empty local folder.
+    :param gate: the passing verdict.json whose checksums must equal every file DST ships now.
+    """
     from quantkit.model_card import model_card
 
     dst = Path(dst)
     if not (dst / "config.json").is_file():
         raise QuantkitError("not a checkpoint folder (no config.json)", dst)
+    local = repo.startswith("file://")
+    target = _local_target(dst, repo) if local else None
+    if not local and not REPO_ID.fullmatch(repo):
+        raise QuantkitError(f"invalid repo id {repo!r}: expected ORG/NAME (letters, digits, '-', '_', '.') or file://DIR")
     verdict = check_gate(dst, gate, force_ungated)
     card = model_card(dst, repo, verdict, base_model)
     # The card as it will be written, whatever README.md DST holds now (a dry run writes nothing).
@@ -65,16 +87,16 @@ def publish(
     if dry_run:
         return result
     write_bytes_atomic(dst / CARD_NAME, card.encode())
-    if repo.startswith("file://"):
-        result.target = str(_publish_local(dst, Path(repo.removeprefix("file://")), result.files))
+    if target is not None:
+        result.target = str(_publish_local(dst, target, result.files))
     else:
         _publish_hub(api, repo, dst, private, revision)
     return result
 
 
-def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -> dict | None:
-    """The passing verdict whose checksums are DST's shards, or None when publishing ungated."""
-    from quantkit.checkpoint import open_checkpoint
+def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -> GateReport | None:
+    """The passing verdict whose checksums are every file DST ships now, or None when publishing ungated."""
+    from quantkit.gate import GateReport
 
     if gate is None:
         if force_ungated:
@@ -83,32 +105,41 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
                              "and says so in the card", dst)
     gate = Path(gate)
     try:
-        verdict = json.loads(gate.read_text())
-        recorded = dict(verdict["candidate_checksums"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise PublishRefused(f"not a gate verdict ({exc})", gate) from exc
-    if not verdict.get("passed"):
-        failed = [t["task"] for t in verdict.get("tasks", []) if not t.get("passed")]
+        verdict = GateReport.model_validate_json(gate.read_bytes())
+    except OSError as exc:
+        raise PublishRefused(f"cannot read the gate verdict ({exc.strerror})", gate) from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise PublishRefused(f"not a gate verdict ({where}: {first['msg']})", gate) from exc
+    if not verdict.passed or not verdict.tasks or not all(t.passed for t in verdict.tasks):
+        failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
-    shards = {s.name: s.path for s in open_checkpoint(dst).shards}
-    for name in sorted(set(recorded) - set(shards)):
-        raise PublishRefused(f"shard {name} was gated but is missing", dst / name)
-    for name in sorted(set(shards) - set(recorded)):
-        raise PublishRefused(f"shard {name} was not gated", dst / name)
-    for name in sorted(shards):
-        if sha256_file(shards[name]) != recorded[name]:
-            raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", shards[name])
+    recorded = verdict.candidate_checksums
+    shipped = {f["name"] for f in upload_list(dst) if f["name"] != CARD_NAME}
+    for name in sorted(set(recorded) - shipped):
+        raise PublishRefused(f"{name} was gated but is missing", dst / name)
+    for name in sorted(shipped - set(recorded)):
+        raise PublishRefused(f"{name} was not gated (added after the gate); remove it or gate again", dst / name)
+    for name in sorted(shipped):
+        if sha256_file(dst / name) != recorded[name]:
+            raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", dst / name)
     return verdict
 
 
 def upload_list(dst: Path) -> list[dict]:
+    """Every file that ships with DST (name, bytes); a link leading out of DST, or a non-file, is refused."""
     import fnmatch
 
+    from quantkit.checkpoint import checked_file
+
     files = []
-    for path in sorted(p for p in dst.rglob("*") if p.is_file()):
+    root = dst.resolve()
+    for path in sorted(p for p in dst.rglob("*") if not p.is_dir()):
         name = path.relative_to(dst).as_posix()
         if any(fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(path.name, pattern) for pattern in IGNORE):
             continue
+        checked_file(dst, name, [root])
         size = path.stat().st_size
         if size > HUB_FILE_LIMIT:
             raise QuantkitError(f"{size / 1e9:.1f} GB is over the hub's 50 GB file limit; convert with a smaller "
@@ -117,17 +148,46 @@ def upload_list(dst: Path) -> list[dict]:
     return files
 
 
+def _local_target(dst: Path, repo: str) -> Path:
+    """The folder a ``file://`` publish writes: new, or empty, or holding only an earlier copy of these
+    files; never DST, the source it came from, or a folder inside or around either."""
+    from quantkit.manifest import load_manifest
+
+    text = repo.removeprefix("file://")
+    if not text.strip():
+        raise QuantkitError("file:// needs a folder: file:///path/to/new-folder")
+    target = Path(text).expanduser().resolve()
+    manifest = load_manifest(dst)
+    guarded = [("the checkpoint being published", dst.resolve())]
+    if manifest is not None:
+        guarded.append(("its source checkpoint", Path(manifest.source_path).resolve()))
+    for what, folder in guarded:
+        if target == folder or folder in target.parents or target in folder.parents:
+            raise QuantkitError(f"the target is, or is inside or around, {what} ({folder}); choose a new folder", target)
+    if target.exists() and not target.is_dir():
+        raise QuantkitError("the target exists and is not a folder", target)
+    return target
+
+
 def _publish_local(dst: Path, target: Path, files: list[dict]) -> Path:
-    """Copy file by file (temporary name, then rename); files already there and equal are kept, so a re-run resumes."""
+    """Copy file by file (exclusive temporary name, then rename); files already there and equal are
+    kept, so a re-run resumes. A folder holding anything else is refused, never merged into."""
+    names = {f["name"] for f in files}
+    if target.is_dir():
+        for path in sorted(target.rglob("*")):
+            rel = path.relative_to(target).as_posix()
+            if path.is_symlink() or (not path.is_dir() and rel not in names and not path.name.endswith(PARTIAL_SUFFIX)):
+                raise QuantkitError(f"the target folder holds {rel}, which is not part of this model; "
+                                    "publish into a new or empty folder", target)
     target.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        src, out = dst / f["name"], target / f["name"]
-        if out.is_file() and out.stat().st_size == f["bytes"] and sha256_file(out) == sha256_file(src):
-            continue
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".partial")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, out)
+    with folder_lock(target):
+        for f in files:
+            src, out = dst / f["name"], target / f["name"]
+            if out.is_file() and out.stat().st_size == f["bytes"] and sha256_file(out) == sha256_file(src):
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            copy_file_atomic(src, out)
+    (target / LOCK_NAME).unlink(missing_ok=True)
     return target
 
 

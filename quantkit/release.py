@@ -17,12 +17,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quantkit.errors import QuantkitError
-from quantkit.shard_writer import write_bytes_atomic
+from quantkit.gate import DEFAULT_SUITE
+from quantkit.packaged import recipe_path, suite_path
+from quantkit.run_dir import read_scores
+from quantkit.shard_writer import sha256_file, write_bytes_atomic
 
 STAGES = ("plan", "convert", "calibrate-kv", "verify", "eval-baseline", "eval-candidate", "gate", "publish")
 STATE_NAME = "release-state.json"
@@ -103,10 +107,20 @@ STAGE_INPUTS = {
 }
 
 
+class StageStatus(str, Enum):
+    RAN = "ran"
+    RESUMED = "resumed"  # done by an earlier run with the same inputs
+    REUSED = "reused"  # a finished run on disk (the baseline of another release)
+    SKIPPED = "skipped"  # not configured
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class StageRecord:
     stage: str
-    status: str  # ran, resumed (done by an earlier run), reused (a finished run on disk), skipped (not configured)
+    status: StageStatus
     seconds: float = 0.0
     summary: str = ""
 
@@ -130,16 +144,12 @@ class ReleaseStopped(QuantkitError):
 
 
 def load_config(path: str | os.PathLike) -> ReleaseConfig:
-    import yaml
+    from quantkit.yaml_file import load_yaml
 
     path = Path(path)
+    doc = load_yaml(path, "release config")
     try:
-        doc = yaml.safe_load(path.read_text())
         return ReleaseConfig.model_validate(doc)
-    except OSError as exc:
-        raise QuantkitError(f"cannot read the release config ({exc.strerror})", path) from exc
-    except yaml.YAMLError as exc:
-        raise QuantkitError(f"not YAML ({str(exc).splitlines()[0]})", path) from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top)"
@@ -152,8 +162,10 @@ def release(
     on_stage: Callable[[StageRecord], None] | None = None,
     api=None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    on_launch: Callable[[list[str]], None] | None = None,
 ) -> ReleaseResult:
-    """Run CONFIG's chain; ``on_stage`` after each stage, ``on_progress(task, done, total)`` during evals."""
+    """Run CONFIG's chain; ``on_stage`` after each stage, ``on_progress(task, done, total)`` during evals,
+    ``on_launch(argv)`` before the config's engine command runs (it is executable configuration)."""
     config_path = Path(config_path).resolve()
     config = load_config(config_path)
     base = config_path.parent
@@ -172,6 +184,9 @@ def release(
     source = resolve(config.source)
     recipe_file = resolve(config.recipe)
     recipe = str(recipe_file) if recipe_file.is_file() else config.recipe  # else a built-in name
+    # Files a stage reads, fingerprinted by content: an edited recipe or suite must re-run its stage.
+    file_inputs = {"plan": [recipe_path(recipe)], "gate": [suite_path(resolve(config.suite) or DEFAULT_SUITE)],
+                   "calibrate-kv": [resolve(config.calibrate_kv.data)] if config.calibrate_kv and config.calibrate_kv.data else []}
     dst = work / "model"
     runs = work / "runs"
     baseline_run = resolve(config.eval.baseline_run) or runs / "baseline"
@@ -185,8 +200,10 @@ def release(
     def run_eval(model: Path, out: Path, kv: str):
         from quantkit.evaluation import evaluate
 
-        return evaluate(model, ev.engine, ev.tasks, data_dir, ev.limit, kv, out, ev.batch_size, ev.tp, ev.ep, ev.url,
-                        ev.engine_cmd, ev.mem_fraction, ev.health_timeout, on_progress)
+        return evaluate(model, engine=ev.engine, tasks=ev.tasks, data_dir=data_dir, limit=ev.limit, kv_cache_dtype=kv,
+                        out=out, batch_size=ev.batch_size, tp=ev.tp, ep=ev.ep, url=ev.url, engine_cmd=ev.engine_cmd,
+                        mem_fraction=ev.mem_fraction, health_timeout=ev.health_timeout, on_progress=on_progress,
+                        on_launch=on_launch)
 
     def stage_plan():
         from quantkit.plan import plan
@@ -196,13 +213,19 @@ def release(
         return f"{report.bytes_now / 1e9:.3f} GB -> {report.bytes_after / 1e9:.3f} GB"
 
     def stage_convert():
-        from quantkit.convert import convert
-        from quantkit.manifest import load_manifest
+        from quantkit.convert import DifferentRun, convert
 
         c = config.convert
-        started_before = (dst / "quantkit-manifest.json").is_file() and load_manifest(dst).status != "done"
-        done = convert(source, dst, recipe, c.device, c.workers, c.max_shard_size, resume=started_before,
-                       force=not started_before and dst.exists())
+        # WORK/model is replaced only when this release wrote it (state says so): never a checkpoint put there by hand.
+        if dst.exists() and any(dst.iterdir()) and not state.get("owns_model"):
+            raise QuantkitError("holds files this release did not write; move them away or set another work_dir", dst)
+        state["owns_model"] = True
+        write_bytes_atomic(state_path, (json.dumps(state, indent=2) + "\n").encode())
+        settings = {"device": c.device, "workers": c.workers, "max_shard_size": c.max_shard_size}
+        try:
+            done = convert(source, dst, recipe, resume=True, **settings)
+        except DifferentRun:  # the recipe or source changed since this release converted: its own output, replaced
+            done = convert(source, dst, recipe, force=True, **settings)
         return f"{done.shards_written} shard(s), {done.output_bytes / 1e9:.3f} GB"
 
     def stage_calibrate():
@@ -211,14 +234,15 @@ def release(
         from quantkit.calibrate_kv import calibrate_kv
 
         k = config.calibrate_kv
-        done = calibrate_kv(dst, None, True, resolve(k.data), k.text_field, k.samples, k.seq_len, k.batch_size, k.device)
+        done = calibrate_kv(dst, in_place=True, data=resolve(k.data), text_field=k.text_field, samples=k.samples,
+                            seq_len=k.seq_len, batch_size=k.batch_size, device=k.device)
         return f"{done.layers} layers, {done.samples} x {done.seq_len} tokens"
 
     def stage_verify():
         from quantkit.verify import verify
 
         v = config.verify
-        report = verify(dst, source, v.engine, v.tp, v.smoke)
+        report = verify(dst, source=source, engine=v.engine, tp=v.tp, smoke=v.smoke)
         write_bytes_atomic(work / "verify.json", (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
         if not report.passed:
             first = report.findings[0]
@@ -231,7 +255,8 @@ def release(
 
         settings = engine_settings(ev.engine, ev.kv_cache_dtype, ev.batch_size, ev.tp, ev.ep, ev.mem_fraction)
         if finished_run(baseline_run, source, ev.engine, ev.tasks, data_dir, ev.limit, settings):
-            return "reused", _scores(json.loads((baseline_run / "results.json").read_text()))
+            scores = {t: s.model_dump() for t, s in read_scores(baseline_run).items()}
+            return StageStatus.REUSED, _scores(scores)
         return _scores(run_eval(source, baseline_run, ev.kv_cache_dtype).scores)
 
     def stage_eval_candidate():
@@ -241,7 +266,7 @@ def release(
         from quantkit.gate import gate
         from quantkit.reporting import markdown
 
-        report = gate(baseline_run, candidate_run, resolve(config.suite), config.margin, gate_dir)
+        report = gate(baseline_run, candidate_run, suite=resolve(config.suite), margin=config.margin, report_dir=gate_dir)
         result.gate_table = markdown(report)
         if not report.passed:
             failed = ", ".join(f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}] vs -{t.margin:g}"
@@ -258,7 +283,8 @@ def release(
     def stage_publish():
         from quantkit.publish import publish
 
-        done = publish(dst, repo, gate_dir / "verdict.json", p.private, p.revision, base_model=p.base_model, api=api)
+        done = publish(dst, repo, gate=gate_dir / "verdict.json", private=p.private, revision=p.revision,
+                       base_model=p.base_model, api=api)
         return f"{len(done.files)} files to {result.published}"
 
     steps = {"plan": stage_plan, "convert": stage_convert, "calibrate-kv": stage_calibrate, "verify": stage_verify,
@@ -270,19 +296,21 @@ def release(
         sections = {name: getattr(config, name) for name in STAGE_INPUTS[stage]}
         fingerprint.update(json.dumps({k: v.model_dump() if isinstance(v, BaseModel) else v
                                        for k, v in sections.items()}, sort_keys=True).encode())
+        for path in file_inputs.get(stage, []):
+            fingerprint.update(f"{path.name}:{sha256_file(path) if path.is_file() else 'missing'}".encode())
         digest = fingerprint.hexdigest()
         done = state["stages"].get(stage)
         if done and done["fingerprint"] == digest:
-            record = StageRecord(stage, "resumed", done["seconds"], done["summary"])
+            record = StageRecord(stage, StageStatus.RESUMED, done["seconds"], done["summary"])
         else:
             started = time.perf_counter()
             try:
                 outcome = steps[stage]()
             except QuantkitError as exc:
                 raise ReleaseStopped(stage, str(exc), config_path) from exc
-            status, summary = outcome if isinstance(outcome, tuple) else ("ran", outcome)
+            status, summary = outcome if isinstance(outcome, tuple) else (StageStatus.RAN, outcome)
             if summary is None:
-                status, summary = "skipped", "not configured"
+                status, summary = StageStatus.SKIPPED, "not configured"
             record = StageRecord(stage, status, round(time.perf_counter() - started, 1), summary)
             state["stages"][stage] = {"fingerprint": digest, "seconds": record.seconds, "summary": record.summary}
             # Later stages built on the old result of this one are stale now.
@@ -306,6 +334,10 @@ def _load_state(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("stages"), dict) or not all(
+                isinstance(v, dict) and {"fingerprint", "seconds", "summary"} <= set(v) for v in state["stages"].values()):
+            raise ValueError("not a release state")
+        return state
+    except (ValueError, UnicodeDecodeError) as exc:
         raise QuantkitError(f"unreadable release state ({exc}); remove it to start over", path) from exc

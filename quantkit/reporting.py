@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
 import html
-import json
-import math
 from pathlib import Path
+
+from quantkit.shard_writer import write_bytes_atomic
 
 
 def forest_plot(report, path: Path) -> Path:
@@ -51,7 +50,7 @@ def markdown(report) -> str:
         )
     for t in report.tasks:
         for s in t.signals:
-            interval = "" if math.isnan(s.low) else f" [{s.low:+.3f}, {s.high:+.3f}]"
+            interval = "" if s.low is None else f" [{s.low:+.3f}, {s.high:+.3f}]"
             lines.append(f"- {t.task}: {s.name} {s.estimate:+.3f}{interval} {s.unit}")
     lines.append("")
     lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}.")
@@ -63,15 +62,15 @@ def markdown(report) -> str:
 def write_gate_report(report, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     verdict = folder / "verdict.json"
-    verdict.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str) + "\n")
+    write_bytes_atomic(verdict, (report.model_dump_json(indent=2) + "\n").encode())
     md = folder / "report.md"
-    md.write_text(markdown(report))
+    write_bytes_atomic(md, markdown(report).encode())
     png = forest_plot(report, folder / "forest.png")
     image = base64.b64encode(png.read_bytes()).decode()
     page = folder / "report.html"
     body = html.escape(markdown(report))
-    page.write_text(
+    write_bytes_atomic(page, (
         "<!doctype html><html><head><meta charset='utf-8'><title>quantkit gate</title></head><body>"
         f"<img alt='forest plot' src='data:image/png;base64,{image}'><pre>{body}</pre></body></html>\n"
-    )
+    ).encode())
     return [verdict, md, png, page]

@@ -2,7 +2,7 @@
 
 lm-eval hands a model all of a task's requests at once and reports requests, not items. This
 wrapper passes them on one slice of items at a time and reports after each slice, which gives
-items/s and an ETA per task; results and lm-eval's request cache are unchanged by the slicing.
+items/s and an ETA per task; results and the request cache are unchanged by the slicing.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ class TaskProgress(LM):
     @property
     def world_size(self) -> int:
         return self.inner.world_size
-
-    def set_cache_hook(self, cache_hook) -> None:
-        # The inner model writes each answer to lm-eval's cache as it comes: a crash loses nothing done.
-        self.inner.set_cache_hook(cache_hook)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return self._sliced("loglikelihood", requests)

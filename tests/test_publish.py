@@ -36,7 +36,7 @@ def gated(synthetic, tmp_path):
 def test_publish_to_a_local_folder_with_a_truthful_card(gated, synthetic, tmp_path):
     dst, verdict = gated
     target = tmp_path / "hub" / "org" / "glm5-int4"
-    result = publish(dst, f"file://{target}", verdict, base_model="zai-org/GLM-5.2")
+    result = publish(dst, f"file://{target}", gate=verdict, base_model="zai-org/GLM-5.2")
     shipped = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
     assert shipped == sorted(f["name"] for f in result.files)
     assert "README.md" in shipped and "quantkit-manifest.json" in shipped and "config.json" in shipped
@@ -55,7 +55,7 @@ def test_publish_to_a_local_folder_with_a_truthful_card(gated, synthetic, tmp_pa
     assert "recipe `glm5-int4-experts-g32`" in card
 
     before = {p: p.stat().st_mtime_ns for p in target.rglob("*")}
-    publish(dst, f"file://{target}", verdict, base_model="zai-org/GLM-5.2")  # a re-run copies nothing again
+    publish(dst, f"file://{target}", gate=verdict, base_model="zai-org/GLM-5.2")  # a re-run copies nothing again
     assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
 
 
@@ -66,7 +66,7 @@ def test_a_shard_changed_after_gating_is_refused(gated, tmp_path):
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     with pytest.raises(PublishRefused, match=f"{shard.name}: changed since it was gated"):
-        publish(dst, f"file://{tmp_path / 'out'}", verdict)
+        publish(dst, f"file://{tmp_path / 'out'}", gate=verdict)
     assert not (tmp_path / "out").exists()
 
 
@@ -79,11 +79,11 @@ def test_ungated_failed_or_foreign_verdicts_are_refused(gated, synthetic, tmp_pa
     failed["tasks"][0]["passed"] = False
     (tmp_path / "failed.json").write_text(json.dumps(failed))
     with pytest.raises(PublishRefused, match=r"the gate failed \(arc_easy\)"):
-        publish(dst, f"file://{tmp_path / 'out'}", tmp_path / "failed.json")
+        publish(dst, f"file://{tmp_path / 'out'}", gate=tmp_path / "failed.json")
     other = tmp_path / "other"
     convert(synthetic["glm_moe_dsa"], other, "glm5-int4-experts-g128-fp8", device="cpu")
     with pytest.raises(PublishRefused, match="changed since it was gated"):
-        publish(other, f"file://{tmp_path / 'out'}", verdict)
+        publish(other, f"file://{tmp_path / 'out'}", gate=verdict)
     assert not (tmp_path / "out").exists()
 
     result = publish(dst, f"file://{tmp_path / 'out'}", force_ungated=True)
@@ -112,7 +112,7 @@ def test_hub_upload_calls_in_order_and_the_token_never_shows(gated, tmp_path, ca
     dst, verdict = gated
     monkeypatch.setenv("HF_TOKEN", SECRET)
     hub = RecordingHub()
-    result = publish(dst, "org/glm5-int4", verdict, private=True, revision="int4-g32", api=hub)
+    result = publish(dst, "org/glm5-int4", gate=verdict, private=True, revision="int4-g32", api=hub)
     assert [c[0] for c in hub.calls] == ["create_repo", "create_branch", "upload_large_folder"]
     assert hub.calls[0][2] == {"repo_type": "model", "private": True, "exist_ok": True}
     assert hub.calls[1][2]["branch"] == "int4-g32"
@@ -135,7 +135,7 @@ def test_hub_upload_calls_in_order_and_the_token_never_shows(gated, tmp_path, ca
 def test_dry_run_changes_nothing_and_oversized_files_are_refused(gated, tmp_path):
     dst, verdict = gated
     (dst / "README.md").unlink(missing_ok=True)
-    result = publish(dst, "org/x", verdict, dry_run=True)
+    result = publish(dst, "org/x", gate=verdict, dry_run=True)
     assert result.dry_run and "README.md" in {f["name"] for f in result.files}
     assert not (dst / "README.md").exists()
     copy = tmp_path / "big"

@@ -107,7 +107,7 @@ def test_bad_configs_are_named(tmp_path):
     path.write_text("source: x\nrecipe: y\n")
     with pytest.raises(QuantkitError, match="r.yaml: publish: Field required"):
         release(path)
-    with pytest.raises(QuantkitError, match="cannot read the release config"):
+    with pytest.raises(QuantkitError, match="missing.yaml: release config not found"):
         release(tmp_path / "missing.yaml")
 
 

@@ -1,0 +1,120 @@
+"""The request cache of an evaluation run: answers already computed, so a re-run resumes.
+
+lm-eval's own cache (``use_cache``) is a SqliteDict of pickles, and a run directory is shared
+(a baseline reused by another release, a copy from a colleague): unpickling a poisoned copy
+runs arbitrary code. quantkit keeps its cache as JSON lines instead, one answer per line keyed
+by lm-eval's request hash (``hash_args``: sha256 of the method and its JSON arguments), and
+validates every value read back: a log-likelihood is ``[float, bool]``, a generation a string.
+Answers are appended as the model produces them, so a crash loses nothing already done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from lm_eval.api.model import LM, hash_args
+
+from quantkit.errors import QuantkitError
+
+METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+def _valid(attr: str, value):
+    """The answer as the model returns it, or None when ``value`` is not a well-formed answer of ``attr``."""
+    if attr == "loglikelihood":
+        if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], (int, float))
+                and not isinstance(value[0], bool) and math.isfinite(value[0]) and isinstance(value[1], bool)):
+            return (float(value[0]), value[1])
+        return None
+    if attr == "loglikelihood_rolling":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else None
+    return value if isinstance(value, str) else None
+
+
+class RequestCache:
+    """``RUN_DIR/cache/requests.jsonl``; also lm-eval's cache hook (``add_partial``)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.answers: dict[str, object] = {}
+        if self.path.is_file() and not self.path.is_symlink():
+            self._load()
+        elif self.path.is_symlink():
+            raise QuantkitError("the request cache is a link: refused", self.path)
+
+    def _load(self) -> None:
+        lines = self.path.read_text(errors="replace").splitlines()
+        for n, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                key, attr = row["key"], row["attr"]
+                answer = _valid(attr, row["answer"]) if attr in METHODS else None
+                if not (isinstance(key, str) and len(key) == 64) or answer is None:
+                    raise ValueError("not an answer")
+            except (ValueError, KeyError, TypeError) as exc:
+                if n == len(lines):  # the last line of a run killed mid-write: recompute it
+                    continue
+                raise QuantkitError(f"line {n}: not a cached answer ({exc}); delete the cache to start over",
+                                    self.path) from exc
+            self.answers[key] = answer
+
+    def get(self, attr: str, args) -> object | None:
+        return self.answers.get(hash_args(attr, args))
+
+    def add_partial(self, attr: str, req, res) -> None:
+        key = hash_args(attr, req)
+        if key in self.answers or _valid(attr, list(res) if isinstance(res, tuple) else res) is None:
+            return
+        self.answers[key] = res
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps({"key": key, "attr": attr, "answer": list(res) if isinstance(res, tuple) else res}) + "\n")
+
+
+class CachedLM(LM):
+    """Answers from the cache where it has them; the inner model answers the rest and fills it."""
+
+    def __init__(self, inner: LM, cache: RequestCache):
+        super().__init__()
+        self.inner, self.cache = inner, cache
+        inner.set_cache_hook(cache)
+
+    def __getattr__(self, name):  # device, tokenizer_name, get_model_info, ...
+        if name in ("inner", "cache"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return self._answer("loglikelihood", requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return self._answer("loglikelihood_rolling", requests, disable_tqdm)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return self._answer("generate_until", requests, disable_tqdm)
+
+    def _answer(self, attr: str, requests: list, disable_tqdm: bool) -> list:
+        # Sampled generations are not repeatable: never answered from the cache.
+        sampled = attr == "generate_until" and any(r.args[1].get("do_sample", False) for r in requests)
+        results = [None if sampled else self.cache.get(attr, r.args) for r in requests]
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            answers = getattr(self.inner, attr)([requests[i] for i in missing], disable_tqdm=disable_tqdm)
+            for i, answer in zip(missing, answers, strict=True):
+                results[i] = answer
+                if not sampled:
+                    self.cache.add_partial(attr, requests[i].args, answer)
+        return results

@@ -1,0 +1,154 @@
+"""The evaluation run directory: what ``eval`` writes and ``gate``, ``release`` and the card read.
+
+RUN_DIR holds ``run.json`` (a ``RunRecord``: the provenance), ``samples/<task>.jsonl`` (one
+``SampleRecord`` per item) and ``results.json`` (scores). Run directories are shared between
+people and releases (a reused baseline), so everything read back is validated strictly: unknown
+fields, out-of-range values, duplicated or foreign item ids are refused with the file and line
+named, never silently collapsed (a duplicated id once let a failing candidate pass).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from quantkit.errors import CannotCompare, QuantkitError
+
+RUN_NAME = "run.json"
+RESULTS_NAME = "results.json"
+MAX_SAMPLE_FILE_BYTES = 1 << 30
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TaskIdentity(_Strict):
+    config_sha256: str | None = None  # the task's YAML + data sha256; None for lm-eval's own tasks
+    num_fewshot: int = 0
+    limit: int | None = None
+    items: int | None = None  # items scored: the first `limit` of the data, or all of it
+
+
+class EngineRecord(_Strict):
+    name: str
+    version: str
+    args: dict = Field(default_factory=dict)
+
+
+class RunRecord(_Strict):
+    model: str
+    model_checksums: dict[str, str]  # every file that ships with the model -> sha256
+    model_family: dict | None = None
+    lm_eval_version: str | None = None
+    tasks: dict[str, TaskIdentity]
+    chat_template_sha256: str | None = None
+    chat_template_applied: bool = False
+    seeds: dict[str, int] = Field(default_factory=dict)
+    engine: EngineRecord
+    server: dict | None = None
+
+
+class SampleRecord(_Strict):
+    item_id: str
+    prompt_hash: str
+    correct: int = Field(ge=0, le=1)
+    gold: int | None = Field(default=None, ge=0)
+    choice_logprobs: list[float] | None = None
+    response: str | None = None
+
+    @field_validator("choice_logprobs")
+    @classmethod
+    def _finite(cls, values):
+        if values is not None and (not values or not all(math.isfinite(v) for v in values)):
+            raise ValueError("must be a non-empty list of finite numbers")
+        return values
+
+    @model_validator(mode="after")
+    def _gold_in_range(self):
+        if self.gold is not None and self.choice_logprobs is not None and self.gold >= len(self.choice_logprobs):
+            raise ValueError(f"gold {self.gold} is out of range for {len(self.choice_logprobs)} choices")
+        return self
+
+
+class TaskScore(_Strict):
+    score: float
+    stderr: float
+    n: int
+
+
+def _field_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top)"
+    return f"{where}: {first['msg']}"
+
+
+def read_run_record(run_dir: Path) -> RunRecord:
+    path = run_dir / RUN_NAME
+    if not path.is_file():
+        raise CannotCompare("not a run directory (no run.json)", run_dir)
+    try:
+        return RunRecord.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise CannotCompare(f"invalid run record: {_field_error(exc)}", path) from exc
+
+
+def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, SampleRecord]:
+    """One task's records by item id; ids must be unique and exactly ``task-0 .. task-(n-1)``."""
+    path = run_dir / "samples" / f"{task}.jsonl"
+    if not path.is_file():
+        raise CannotCompare(f"task {task} has no samples file", path)
+    if path.stat().st_size > MAX_SAMPLE_FILE_BYTES:
+        raise CannotCompare("samples file over 1 GiB", path)
+    rows: dict[str, SampleRecord] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = SampleRecord.model_validate_json(line)
+        except ValidationError as exc:
+            raise CannotCompare(f"line {n}: invalid sample ({_field_error(exc)})", path) from exc
+        if row.item_id in rows:
+            raise CannotCompare(f"line {n}: item {row.item_id} appears twice", path)
+        rows[row.item_id] = row
+    if not rows:
+        raise CannotCompare(f"task {task} scored no items", path)
+    expected = {f"{task}-{i}" for i in range(items if items is not None else len(rows))}
+    if set(rows) != expected:
+        odd = sorted(set(rows) ^ expected)[0]
+        raise CannotCompare(f"the items are not the task's first {len(expected)} ({odd} is missing or foreign)", path)
+    return rows
+
+
+def write_samples(run_dir: Path, task: str, records: list[SampleRecord]) -> None:
+    from quantkit.shard_writer import write_bytes_atomic
+
+    text = "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records)
+    write_bytes_atomic(run_dir / "samples" / f"{task}.jsonl", text.encode())
+
+
+def write_run_record(run_dir: Path, record: RunRecord) -> None:
+    from quantkit.shard_writer import write_bytes_atomic
+
+    write_bytes_atomic(run_dir / RUN_NAME, (record.model_dump_json(indent=2) + "\n").encode())
+
+
+def write_scores(run_dir: Path, scores: dict[str, TaskScore]) -> None:
+    from quantkit.shard_writer import write_bytes_atomic
+
+    data = {task: s.model_dump() for task, s in scores.items()}
+    write_bytes_atomic(run_dir / RESULTS_NAME, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def read_scores(run_dir: Path) -> dict[str, TaskScore]:
+    path = run_dir / RESULTS_NAME
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return {task: TaskScore.model_validate(s) for task, s in data.items()}
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"unreadable scores ({str(exc).splitlines()[0]})", path) from exc
