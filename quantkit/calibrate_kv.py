@@ -262,7 +262,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     manifest = load_manifest(dst)
     if manifest is not None:
-        manifest.shards[SCALES_SHARD] = ShardRecord(written.sha256, written.size)
+        manifest.shards[SCALES_SHARD] = ShardRecord(sha256=written.sha256, size=written.size)
         manifest.save(dst)
 
     json_path = dst / "kv_scales.json"

@@ -13,13 +13,14 @@ import hashlib
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.model_config import check_config
 
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 # Pickle-based formats: loading one runs arbitrary code, so we never do.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -80,6 +81,7 @@ class Checkpoint:
     shards: list[Shard]
     tensors: dict[str, TensorInfo]
     other_files: list[str]  # tokenizer, templates, generation config: copied verbatim
+    skipped_files: list[str] = field(default_factory=list)  # weight files the index does not own: never copied
 
     @property
     def total_bytes(self) -> int:
@@ -99,15 +101,10 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     root = Path(path)
     if not root.is_dir():
         raise QuantkitError("not a checkpoint folder (expected config.json and *.safetensors)", root)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise QuantkitError("config.json not found", root)
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantkitError(f"invalid JSON: {exc}", config_path) from exc
+    roots = link_roots(root)
+    config = read_config(root)
 
-    shard_names, weight_map = _shard_names(root)
+    shard_names, weight_map = _shard_names(root, roots)
     shards = [read_shard_header(root, name) for name in shard_names]
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
@@ -123,12 +120,67 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise QuantkitError(f"index says {file}, found in {tensors[name].file}", root / INDEX_NAME, name)
 
     weights = set(shard_names) | {INDEX_NAME, "config.json"}
-    other = sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_file() and str(p.relative_to(root)) not in weights and not _is_private(p.relative_to(root))
-    )
-    return Checkpoint(root=root, config=config, shards=shards, tensors=tensors, other_files=other)
+    other, skipped = [], []
+    for rel in _files_below(root):
+        if rel in weights or _is_private(Path(rel)):
+            continue
+        checked_file(root, rel, roots)
+        # A weight file the index does not list (a consolidated copy, an old format) is not a side file.
+        (skipped if rel.endswith((".safetensors", *PICKLE_SUFFIXES, ".gguf")) else other).append(rel)
+    return Checkpoint(root=root, config=config, shards=shards, tensors=tensors, other_files=other,
+                      skipped_files=skipped)
+
+
+def read_config(root: Path) -> dict:
+    """config.json as a JSON object (what every command reads first), or a one-line error naming it."""
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise QuantkitError("config.json not found", root)
+    checked_file(root, "config.json", link_roots(root))
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QuantkitError(f"invalid JSON: {exc}", config_path) from exc
+    if not isinstance(config, dict):
+        raise QuantkitError(f"not a JSON object but {type(config).__name__}", config_path)
+    check_config(config, config_path)
+    return config
+
+
+def link_roots(root: Path) -> list[Path]:
+    """Where links inside a model folder may lead: the folder itself and, for a Hugging Face hub
+    cache snapshot (``models--org--name/snapshots/REV``), that model's repo folder, whose
+    ``blobs/`` hold the files every snapshot entry links to."""
+    roots = [root.resolve()]
+    parts = root.absolute().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith(("models--", "datasets--")):
+        roots.append(Path(*parts[:-2]).resolve())
+    return roots
+
+
+def checked_file(root: Path, rel: str, roots: list[Path]) -> Path:
+    """``root/rel`` if it is a regular file that stays inside ``roots`` after following links; else an error naming it."""
+    path = root / rel
+    real = path.resolve()
+    if not any(real == r or r in real.parents for r in roots):
+        raise QuantkitError(f"links to {real}, outside the model's folder: refused (a link may only stay inside it)", path)
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as exc:
+        raise QuantkitError(f"cannot read ({exc.strerror})", path) from exc
+    if not stat.S_ISREG(mode):
+        raise QuantkitError("not a regular file (a folder, pipe or device)", path)
+    return path
+
+
+def _files_below(root: Path) -> list[str]:
+    """Every non-folder entry below ``root`` (links to folders are not walked), relative, sorted."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        rel_folder = Path(folder).relative_to(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (Path(folder) / d).is_symlink())
+        found += [(rel_folder / f).as_posix() for f in files]
+    return sorted(found)
 
 
 def _is_private(rel: Path) -> bool:
@@ -136,23 +188,26 @@ def _is_private(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts) or rel.name.startswith("quantkit-")
 
 
-def _shard_names(root: Path) -> tuple[list[str], dict[str, str] | None]:
+def _shard_names(root: Path, roots: list[Path]) -> tuple[list[str], dict[str, str] | None]:
     index_path = root / INDEX_NAME
     if index_path.is_file():
+        checked_file(root, INDEX_NAME, roots)
         try:
             index = json.loads(index_path.read_text())
             weight_map = dict(index["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
             raise QuantkitError(f"invalid index: {exc}", index_path) from exc
+        for tensor, name in weight_map.items():
+            if not isinstance(name, str) or not isinstance(tensor, str):
+                raise QuantkitError(f"invalid index: weight_map value {name!r} is not a file name", index_path, str(tensor))
+            if os.path.isabs(name) or ".." in Path(name).parts:
+                raise QuantkitError(f"index path {name!r} escapes the checkpoint folder", index_path, tensor)
         names = sorted(set(weight_map.values()))
-        resolved_root = root.resolve()
         for name in names:
-            target = (root / name).resolve()
-            if os.path.isabs(name) or resolved_root not in target.parents:
-                raise QuantkitError(f"index path {name!r} escapes the checkpoint folder", index_path)
-            if not target.is_file():
+            if not (root / name).exists():
                 tensor = next(t for t, f in weight_map.items() if f == name)
                 raise QuantkitError(f"index names missing file {name}", index_path, tensor)
+            checked_file(root, name, roots)
         return names, weight_map
     names = sorted(p.name for p in root.glob("*.safetensors"))
     if not names:
@@ -163,12 +218,17 @@ def _shard_names(root: Path) -> tuple[list[str], dict[str, str] | None]:
                 root / pickles[0],
             )
         raise QuantkitError("no *.safetensors files", root)
+    for name in names:
+        checked_file(root, name, roots)
     return names, None
 
 
 def read_shard_header(root: Path, name: str) -> Shard:
     path = root / name
-    size = path.stat().st_size
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read for ever
+        raise QuantkitError("not a regular file (a folder, pipe or device)", path)
+    size = st.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -190,12 +250,7 @@ def read_shard_header(root: Path, name: str) -> Shard:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for tname, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise QuantkitError(f"malformed header entry: {exc}", path, tname) from exc
-        if dtype not in DTYPES:
-            raise QuantkitError(f"unsupported dtype {dtype}", path, tname)
+        dtype, shape, begin, end = _header_entry(entry, path, tname)
         expected = math.prod(shape) * DTYPES[dtype][0]
         if end - begin != expected or begin < 0:
             raise QuantkitError(
@@ -216,6 +271,25 @@ def read_shard_header(root: Path, name: str) -> Shard:
     if cursor != data_size:
         raise QuantkitError(f"file size {size} disagrees with header (data should end at {base + cursor})", path)
     return Shard(name, path, size, hashlib.sha256(raw).hexdigest(), tensors)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _header_entry(entry, path: Path, tname: str) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each checked for its type: the format
+    stores integers, and a float, string or negative value is a corrupt (or hostile) file."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise QuantkitError("malformed header entry (needs exactly dtype, shape, data_offsets)", path, tname)
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise QuantkitError(f"unsupported dtype {dtype!r}", path, tname)
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_count(d) for d in shape):
+        raise QuantkitError(f"malformed shape {shape!r} (a list of non-negative integers)", path, tname)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise QuantkitError(f"malformed data_offsets {offsets!r} (two non-negative integers)", path, tname)
+    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 class TensorReader:

@@ -1,16 +1,22 @@
 """The quantkit command line: parses arguments, calls one quantkit function, prints.
 
 Heavy libraries (torch, transformers, compressed-tensors) are imported inside the commands,
-so ``quantkit --help`` answers at once.
+so ``quantkit --help`` answers at once. Errors are turned into one line in one place
+(``_one_line``), as huggingface_hub's ``hf`` does: a QuantkitError is the user's to fix (exit 1),
+a run that cannot be compared exits 2, file-system and network failures name the path or the
+host, and anything else is a bug in quantkit, reported in one line (the traceback with --debug).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -23,25 +29,90 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console()
-err = Console(stderr=True)
+# Wide enough that a file name is never cut in a log (no terminal: Rich would assume 80 columns).
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 10_000)
+_debug = {"on": os.environ.get("QUANTKIT_DEBUG", "") not in ("", "0")}
+
+# Options shared by several commands, declared once.
+JsonOpt = Annotated[bool, typer.Option("--json", help="No progress display; print a JSON result.")]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, or a list: cuda:0,cuda:1.")]
+TpOpt = Annotated[int, typer.Option(min=1, help="Tensor-parallel size.")]
+MaxShardSizeOpt = Annotated[str, typer.Option(help="Largest output shard (5GB, 512MiB, ...).")]
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Requests per forward pass (hf) or in flight (servers).")]
 
 
-def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+@app.callback()
+def _main_options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an unexpected error.")] = False,
+) -> None:
+    """Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs."""
+    if debug:
+        _debug["on"] = True
+
+
+def command(name: str):
+    """Register a command whose every failure ends as one line and an exit code (``_one_line``)."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def handled(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (typer.Exit, typer.Abort, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the one place every failure is reported
+                kind, message, code = _one_line(exc)
+                if _debug["on"] and kind == "internal error":
+                    traceback.print_exc()
+                err.print(f"[bold red]{kind}:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+                raise typer.Exit(code) from None
+
+        return app.command(name)(handled)
+
+    return register
+
+
+def _one_line(exc: BaseException) -> tuple[str, str, int]:
+    """(kind, the message on one line, exit code) for any failure of a command."""
+    from quantkit.errors import CannotCompare, QuantkitError, describe_os_error
+
+    def flat(text: str) -> str:
+        return " ".join(str(text).split())
+
+    if isinstance(exc, CannotCompare):
+        return "cannot compare", flat(exc), 2
+    if isinstance(exc, QuantkitError):
+        return "error", flat(exc), 1
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "stopped; files under their final names are complete, re-run to resume", 130
+    if isinstance(exc, OSError) and not type(exc).__module__.startswith(("requests", "urllib3")):
+        return "error", flat(describe_os_error(exc)), 1
+    module = type(exc).__module__.split(".")[0]
+    if module in ("httpx", "requests", "urllib3", "huggingface_hub", "httpcore"):
+        return "error", f"network or hub failure ({type(exc).__name__}): {flat(exc)[:400]}", 1
+    hint = "" if _debug["on"] else " (re-run with --debug for the traceback)"
+    return "internal error", f"{type(exc).__name__}: {flat(exc)[:400]}; this is a bug in quantkit, please report it{hint}", 1
 
 
 def _quiet_libraries() -> None:
     """lm-eval and transformers warn about things quantkit does on purpose (a pre-loaded model,
-    the tokenizer's clean-up flag); the user's terminal is for progress and results."""
+    the tokenizer's clean-up flag); the user's terminal is for progress and results. Off a
+    terminal, libraries' own progress bars would fill a log with carriage returns."""
     import logging
 
-    for name in ("lm_eval", "lm-eval", "transformers"):
+    for name in ("lm_eval", "lm-eval", "transformers", "datasets", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if not err.is_terminal:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _emit_json(obj) -> None:
-    data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    if hasattr(obj, "model_dump"):
+        data = obj.model_dump(mode="json")
+    else:
+        data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
@@ -49,19 +120,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB ({n / 1e9:.3f} GB)"
 
 
-@app.command("inspect")
+@command("inspect")
 def inspect_cmd(
-    path: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors)."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    path: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
+    json_out: JsonOpt = False,
 ) -> None:
     """What a checkpoint holds, from config and safetensors headers only (no tensor data read)."""
-    from quantkit.errors import QuantkitError
     from quantkit.inspection import inspect_checkpoint
 
-    try:
-        report = inspect_checkpoint(path)
-    except QuantkitError as exc:
-        _fail(exc)
+    report = inspect_checkpoint(path)
     if json_out:
         _emit_json(report)
         return
@@ -78,29 +145,25 @@ def inspect_cmd(
     out.print(f"{len(report.shards)} shard(s)")
 
 
-@app.command("convert")
+@command("convert")
 def convert_cmd(
-    src: Path = typer.Argument(..., help="Source checkpoint folder (never modified)."),
-    dst: Path = typer.Argument(..., help="Output folder."),
-    recipe: str = typer.Option(..., "--recipe", "-r", help="Recipe YAML path or built-in name (see recipes/)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, or a list: cuda:0,cuda:1."),
-    workers: Optional[int] = typer.Option(None, help="Concurrent shard jobs (default: 2 per GPU, or up to 4 CPU)."),
-    max_shard_size: str = typer.Option("5GB", help="Largest output shard (5GB, 512MiB, ...)."),
-    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run in DST."),
-    force: bool = typer.Option(False, "--force", help="Replace whatever run DST holds."),
-    json_out: bool = typer.Option(False, "--json", help="No progress bar; print a JSON result."),
+    src: Annotated[Path, typer.Argument(help="Source checkpoint folder (never modified).")],
+    dst: Annotated[Path, typer.Argument(help="Output folder.")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe YAML path or built-in name (see recipes/).")],
+    device: DeviceOpt = "auto",
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Concurrent shard jobs (default: 4 per GPU, or up to 4 on CPU).")] = None,
+    max_shard_size: MaxShardSizeOpt = "5GB",
+    resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run in DST.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace the quantkit run DST holds.")] = False,
+    verify_reused: Annotated[bool, typer.Option("--verify-reused/--trust-manifest", help="--resume: re-hash the finished shards it keeps.")] = True,
+    json_out: JsonOpt = False,
 ) -> None:
     """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe."""
     from quantkit.convert import convert
-    from quantkit.errors import QuantkitError
 
-    if resume and force:
-        _fail(QuantkitError("--resume and --force exclude each other"))
-    try:
-        with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
-            result = convert(src, dst, recipe, device, workers, max_shard_size, resume, force, on_progress)
-    except QuantkitError as exc:
-        _fail(exc)
+    with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
+        result = convert(src, dst, recipe, device=device, workers=workers, max_shard_size=max_shard_size,
+                         resume=resume, force=force, verify_reused=verify_reused, on_progress=on_progress)
     if json_out:
         _emit_json(result)
         return
@@ -110,29 +173,32 @@ def convert_cmd(
         f"{_gib(result.source_bytes)} -> {_gib(result.output_bytes)} in {result.seconds:.1f}s "
         f"on {','.join(result.devices)} x{result.workers} ({stages})"
     )
+    for group, n in result.tensors_by_group.items():
+        out.print(f"  recipe group {group}: {n} weight(s)", highlight=False)
+    for name in result.skipped_files:
+        out.print(f"  [yellow]not copied[/]: {name} (a weight file the index does not list)", highlight=False)
+    for warning in result.warnings:
+        out.print(f"  [yellow]warning[/]: {warning}", highlight=False)
 
 
-@app.command("calibrate-kv")
+@command("calibrate-kv")
 def calibrate_kv_cmd(
-    model: Path = typer.Argument(..., help="A BF16 source or a quantkit output (with its tokenizer)."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write a copy with scales here (hard links where possible)."),
-    in_place: bool = typer.Option(False, "--in-place", help="Add the scales to MODEL itself."),
-    data: Optional[Path] = typer.Option(None, help="Calibration text: .jsonl (see --text-field) or .txt; default: built-in GSM8K-train text."),
-    text_field: str = typer.Option("text", help="The JSONL field holding the text."),
-    samples: int = typer.Option(512, help="Sequences to run."),
-    seq_len: int = typer.Option(2048, help="Tokens per sequence."),
-    batch_size: int = typer.Option(4, help="Sequences per forward pass."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    model: Annotated[Path, typer.Argument(help="A BF16 source or a quantkit output (with its tokenizer).")],
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write a copy with scales here (hard links where possible).")] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Add the scales to MODEL itself.")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="Calibration text: .jsonl (see --text-field) or .txt; default: built-in GSM8K-train text.")] = None,
+    text_field: Annotated[str, typer.Option(help="The JSONL field holding the text.")] = "text",
+    samples: Annotated[int, typer.Option(min=1, help="Sequences to run.")] = 512,
+    seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence.")] = 2048,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 4,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    json_out: JsonOpt = False,
 ) -> None:
     """FP8 (e4m3) KV-cache scales: absmax / 448 of what the engine caches (MLA: the latent), layer by layer."""
     from quantkit.calibrate_kv import calibrate_kv
-    from quantkit.errors import QuantkitError
 
-    try:
-        result = calibrate_kv(model, out_dir, in_place, data, text_field, samples, seq_len, batch_size, device)
-    except QuantkitError as exc:
-        _fail(exc)
+    result = calibrate_kv(model, out=out_dir, in_place=in_place, data=data, text_field=text_field, samples=samples,
+                          seq_len=seq_len, batch_size=batch_size, device=device)
     if json_out:
         _emit_json(result)
         return
@@ -143,22 +209,19 @@ def calibrate_kv_cmd(
     )
 
 
-@app.command("verify")
+@command("verify")
 def verify_cmd(
-    path: Path = typer.Argument(..., help="A converted checkpoint."),
-    source: Optional[Path] = typer.Option(None, "--source", help="The source it came from: enables the numeric checks."),
-    engine: str = typer.Option("sglang", help="Whose kernel rules to check: sglang or vllm."),
-    tp: int = typer.Option(1, help="Tensor-parallel size the checkpoint will be served with."),
-    smoke: bool = typer.Option(True, "--smoke/--no-smoke", help="Load and run small models; meta-check large ones."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    path: Annotated[Path, typer.Argument(help="A converted checkpoint.")],
+    source: Annotated[Optional[Path], typer.Option("--source", help="The source it came from: enables the numeric checks.")] = None,
+    engine: Annotated[str, typer.Option(help="Whose kernel rules to check: sglang or vllm.")] = "sglang",
+    tp: TpOpt = 1,
+    smoke: Annotated[bool, typer.Option("--smoke/--no-smoke", help="Load and run small models; meta-check large ones.")] = True,
+    json_out: JsonOpt = False,
 ) -> None:
     """Check structure, numbers, integrity and engine rules; exit 0 only when everything passes."""
     from quantkit.verify import verify
 
-    try:
-        report = verify(path, source, engine, tp, smoke)
-    except ValueError as exc:
-        _fail(exc)
+    report = verify(path, source=source, engine=engine, tp=tp, smoke=smoke)
     if json_out:
         _emit_json(report)
     else:
@@ -167,40 +230,34 @@ def verify_cmd(
         if report.worst:
             worst = report.worst[0]
             out.print(f"worst tensor: {worst.tensor} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
-        if report.findings:
-            table = Table("check", "tensor / file", "rule", "found")
-            for f in report.findings:
-                table.add_row(f.check, f.tensor or f.file or "", f.rule, f.message)
-            out.print(table)
+        for f in report.findings:  # one line each, never cut: a log reader needs the whole file name
+            out.print(f"[red]{f.check}[/] {f.tensor or f.file or ''}: {f.rule}: {f.message}", highlight=False,
+                      soft_wrap=True)
         out.print("[green]PASS[/]" if report.passed else f"[red]FAIL[/]: {len(report.findings)} finding(s)")
     raise typer.Exit(0 if report.passed else 1)
 
 
-@app.command("plan")
+@command("plan")
 def plan_cmd(
-    src: Path = typer.Argument(..., help="Checkpoint folder, or a folder with config.json alone."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe to size the output for."),
-    tp: int = typer.Option(1, help="Tensor-parallel size."),
-    gpu: str = typer.Option("h200", help="h100, h200 or b200 (memory as the GPU reports it)."),
-    gpu_mem: Optional[float] = typer.Option(None, help="GPU memory in GiB (overrides --gpu)."),
-    kv_dtype: str = typer.Option("bf16", help="KV-cache dtype: bf16 or fp8_e4m3."),
-    mem_fraction: float = typer.Option(0.88, help="Share of GPU memory for weights + KV (SGLang --mem-fraction-static)."),
-    context_len: int = typer.Option(32768, help="Context length per request."),
-    page_size: int = typer.Option(64, help="KV-cache page size in tokens."),
-    max_shard_size: str = typer.Option("5GB", help="Output shard cap, as for convert."),
-    deploy: bool = typer.Option(False, "--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 KV) pools."),
-    chart: Path = typer.Option(Path("plan-memory.png"), help="Where --deploy writes its PNG chart."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    src: Annotated[Path, typer.Argument(help="Checkpoint folder, or a folder with config.json alone.")],
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe to size the output for.")] = None,
+    tp: TpOpt = 1,
+    gpu: Annotated[str, typer.Option(help="h100, h200 or b200 (memory as the GPU reports it).")] = "h200",
+    gpu_mem: Annotated[Optional[float], typer.Option(min=1, help="GPU memory in GiB (overrides --gpu).")] = None,
+    kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: bf16 or fp8_e4m3.")] = "bf16",
+    mem_fraction: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of GPU memory for weights + KV (SGLang --mem-fraction-static).")] = 0.88,
+    context_len: Annotated[int, typer.Option(min=1, help="Context length per request.")] = 32768,
+    page_size: Annotated[int, typer.Option(min=1, help="KV-cache page size in tokens.")] = 64,
+    max_shard_size: MaxShardSizeOpt = "5GB",
+    deploy: Annotated[bool, typer.Option("--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 KV) pools.")] = False,
+    chart: Annotated[Path, typer.Option(help="Where --deploy writes its PNG chart.")] = Path("plan-memory.png"),
+    json_out: JsonOpt = False,
 ) -> None:
     """Size the conversion and the deployment: bytes by component, per-GPU memory, KV capacity."""
-    from quantkit.errors import QuantkitError
     from quantkit.plan import plan
 
-    try:
-        report = plan(src, recipe, tp, gpu, gpu_mem, kv_dtype, mem_fraction, context_len, page_size,
-                      max_shard_size, deploy, chart)
-    except QuantkitError as exc:
-        _fail(exc)
+    report = plan(src, recipe=recipe, tp=tp, gpu=gpu, gpu_mem_gib=gpu_mem, kv_dtype=kv_dtype, mem_fraction=mem_fraction,
+                  context_len=context_len, page_size=page_size, max_shard_size=max_shard_size, deploy=deploy, chart=chart)
     if json_out:
         _emit_json(report)
         return
@@ -224,39 +281,34 @@ def plan_cmd(
         out.print(f"chart: {report.chart}")
 
 
-@app.command("eval")
+@command("eval")
 def eval_cmd(
-    model: Path = typer.Argument(..., help="Checkpoint folder (with its tokenizer)."),
-    engine: str = typer.Option("hf", help="hf: transformers in-process; sglang: start a server for the run; openai: a running server at --url."),
-    tasks: str = typer.Option("gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro", help="Comma-separated tasks."),
-    data_dir: Optional[Path] = typer.Option(None, help="Local data in the hub's schema (e.g. shared/evaldata); else the hub."),
-    limit: Optional[int] = typer.Option(None, help="First N items of each task."),
-    kv_cache_dtype: str = typer.Option("auto", help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; sglang: passed on)."),
-    tp: int = typer.Option(1, help="sglang: tensor-parallel size."),
-    ep: int = typer.Option(1, help="sglang: expert-parallel size."),
-    mem_fraction: Optional[float] = typer.Option(None, help="sglang: --mem-fraction-static."),
-    engine_cmd: Optional[str] = typer.Option(None, help="sglang: how to start it [env QUANTKIT_SGLANG_CMD; default: python -m sglang.launch_server]."),
-    engine_timeout: float = typer.Option(1800, help="sglang: seconds to wait for the server to become healthy."),
-    url: Optional[str] = typer.Option(None, help="openai: base URL of the server (http://host:port)."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="RUN_DIR (default runs/<model name>)."),
-    batch_size: int = typer.Option(8, help="Requests per forward pass (hf) or in flight (servers)."),
-    json_out: bool = typer.Option(False, "--json", help="No progress bars; print JSON."),
+    model: Annotated[Path, typer.Argument(help="Checkpoint folder (with its tokenizer).")],
+    engine: Annotated[str, typer.Option(help="hf: transformers in-process; sglang: start a server for the run; openai: a running server at --url.")] = "hf",
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Tasks, comma-separated or repeated (default: all five).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Local data in the hub's schema (e.g. shared/evaldata); else the hub.")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="First N items of each task.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; sglang: passed on).")] = "auto",
+    tp: Annotated[int, typer.Option(min=1, help="sglang: tensor-parallel size.")] = 1,
+    ep: Annotated[int, typer.Option(min=1, help="sglang: expert-parallel size.")] = 1,
+    mem_fraction: Annotated[Optional[float], typer.Option(min=0.01, max=1.0, help="sglang: --mem-fraction-static.")] = None,
+    engine_cmd: Annotated[Optional[str], typer.Option(help="sglang: the command that starts it, run as given [env QUANTKIT_SGLANG_CMD; default: python -m sglang.launch_server].")] = None,
+    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang: seconds to wait for the server to become healthy.")] = 1800,
+    url: Annotated[Optional[str], typer.Option(help="openai: base URL of the server (http://host:port).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,
+    batch_size: BatchSizeOpt = 8,
+    json_out: JsonOpt = False,
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
-    from quantkit.errors import QuantkitError
     from quantkit.evaluation import evaluate
 
     _quiet_libraries()
-    try:
-        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
-            result = evaluate(model, engine, [t.strip() for t in tasks.split(",") if t.strip()], data_dir, limit,
-                              kv_cache_dtype, out_dir, batch_size, tp, ep, url, engine_cmd, mem_fraction,
-                              engine_timeout, on_progress)
-    except QuantkitError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/]: the engine was stopped; re-run with the same --out to resume")
-        raise typer.Exit(130)
+    names = [t.strip() for item in tasks or [] for t in item.split(",") if t.strip()] or None
+    with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+        result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
+                          kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
+                          engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
+                          on_progress=on_progress, on_launch=_print_launch)
     if json_out:
         _emit_json(result)
         return
@@ -265,25 +317,27 @@ def eval_cmd(
     out.print(f"run directory: {result.run_dir} ({result.seconds:.0f}s)")
 
 
-@app.command("gate")
+def _print_launch(argv: list[str]) -> None:
+    """The engine command is executable configuration: the user sees what runs before it runs."""
+    import shlex
+
+    err.print(f"starting the engine: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
+
+
+@command("gate")
 def gate_cmd(
-    baseline: Path = typer.Argument(..., help="The baseline's run directory."),
-    candidate: Path = typer.Argument(..., help="The candidate's run directory."),
-    suite: Optional[Path] = typer.Option(None, help="Suite file (default: eval/suites/release.yaml)."),
-    margin: Optional[float] = typer.Option(None, help="One margin in accuracy points for every task (overrides the suite)."),
-    report: Optional[Path] = typer.Option(None, help="Write verdict.json, report.md, report.html and forest.png here."),
-    json_out: bool = typer.Option(False, "--json", help="Print the verdict as JSON."),
+    baseline: Annotated[Path, typer.Argument(help="The baseline's run directory.")],
+    candidate: Annotated[Path, typer.Argument(help="The candidate's run directory.")],
+    suite: Annotated[Optional[Path], typer.Option(help="Suite file (default: the built-in release suite).")] = None,
+    margin: Annotated[Optional[float], typer.Option(min=0, help="One margin in accuracy points for every task (overrides the suite).")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write verdict.json, report.md, report.html and forest.png here.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
-    from quantkit.errors import QuantkitError
     from quantkit.gate import gate
     from quantkit.reporting import markdown
 
-    try:
-        result = gate(baseline, candidate, suite, margin, report)
-    except QuantkitError as exc:  # CannotCompare, or a suite that cannot be read: no verdict either way
-        err.print(f"[bold red]cannot compare:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+    result = gate(baseline, candidate, suite=suite, margin=margin, report_dir=report)
     if json_out:
         _emit_json(result)
     else:
@@ -291,26 +345,23 @@ def gate_cmd(
     raise typer.Exit(0 if result.passed else 1)
 
 
-@app.command("publish")
+@command("publish")
 def publish_cmd(
-    dst: Path = typer.Argument(..., help="The converted checkpoint to publish."),
-    repo: str = typer.Option(..., help="ORG/NAME on the hub, or file://DIR for a local folder."),
-    gate_verdict: Optional[Path] = typer.Option(None, "--gate", help="The passing gate's verdict.json."),
-    private: bool = typer.Option(False, "--private", help="Create the hub repository private."),
-    revision: Optional[str] = typer.Option(None, help="Branch to upload to (created if missing)."),
-    base_model: Optional[str] = typer.Option(None, help="Hub id of the original model, for the card."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be uploaded and the card; change nothing."),
-    force_ungated: bool = typer.Option(False, "--force-ungated", help="Publish without a gate; the card says so."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    dst: Annotated[Path, typer.Argument(help="The converted checkpoint to publish.")],
+    repo: Annotated[str, typer.Option(help="ORG/NAME on the hub, or file://DIR for a new or empty local folder.")],
+    gate_verdict: Annotated[Optional[Path], typer.Option("--gate", help="The passing gate's verdict.json.")] = None,
+    private: Annotated[bool, typer.Option("--private", help="Create the hub repository private.")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="Branch to upload to (created if missing).")] = None,
+    base_model: Annotated[Optional[str], typer.Option(help="Hub id of the original model, for the card.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be uploaded and the card; change nothing.")] = False,
+    force_ungated: Annotated[bool, typer.Option("--force-ungated", help="Publish without a gate; the card says so.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Upload DST with its model card, only if the gate passed on exactly these shards."""
-    from quantkit.errors import QuantkitError
+    """Upload DST with its model card, only if the gate passed on exactly these files."""
     from quantkit.publish import publish
 
-    try:
-        result = publish(dst, repo, gate_verdict, private, revision, dry_run, force_ungated, base_model)
-    except QuantkitError as exc:
-        _fail(exc)
+    result = publish(dst, repo, gate=gate_verdict, private=private, revision=revision, dry_run=dry_run,
+                     force_ungated=force_ungated, base_model=base_model)
     if json_out:
         _emit_json(result)
         return
@@ -326,22 +377,19 @@ def publish_cmd(
         out.print(f"[green]published[/] {len(result.files)} files to {where} ({'gated' if result.gated else 'UNGATED'})")
 
 
-@app.command("release")
+@command("release")
 def release_cmd(
-    config: Path = typer.Argument(..., help="Release config YAML (see eval/release-example.yaml)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue after the last finished stage."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    config: Annotated[Path, typer.Argument(help="Release config YAML (see eval/release-example.yaml).")],
+    resume: Annotated[bool, typer.Option("--resume", help="Continue after the last finished stage.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish."""
-    from quantkit.errors import QuantkitError
     from quantkit.release import release
 
     _quiet_libraries()
-    try:
-        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
-            result = release(config, resume, on_stage=None if json_out else _print_stage, on_progress=on_progress)
-    except QuantkitError as exc:
-        _fail(exc)
+    with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+        result = release(config, resume=resume, on_stage=None if json_out else _print_stage, on_progress=on_progress,
+                         on_launch=_print_launch)
     if json_out:
         _emit_json(result)
         return
@@ -349,29 +397,25 @@ def release_cmd(
     out.print(f"[green]released[/]: {result.published}; report {result.report}")
 
 
-@app.command("demo")
+@command("demo")
 def demo_cmd(
-    workdir: Path = typer.Option(Path("quantkit-demo"), help="Where everything goes (a re-run resumes)."),
-    arc_items: int = typer.Option(500, help="ARC-Easy test items (the first N)."),
-    gsm8k_items: int = typer.Option(16, help="GSM8K test items (the first N; evaluated, not gated)."),
-    source_model: Optional[Path] = typer.Option(None, help="A local BF16 SmolLM2-135M-Instruct instead of fetching it."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    workdir: Annotated[Path, typer.Option(help="Where everything goes (a re-run resumes).")] = Path("quantkit-demo"),
+    arc_items: Annotated[int, typer.Option(min=1, help="ARC-Easy test items (the first N).")] = 500,
+    gsm8k_items: Annotated[int, typer.Option(min=1, help="GSM8K test items (the first N; evaluated, not gated).")] = 16,
+    source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of fetching it.")] = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """Two gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 and FP8."""
     from quantkit.demo import demo
-    from quantkit.errors import QuantkitError
 
     def stage(name, record):
         out.print(f"[bold]{name:>4}[/] ", end="")
         _print_stage(record)
 
     _quiet_libraries()
-    try:
-        with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
-            result = demo(workdir, arc_items, gsm8k_items, source_model=source_model,
-                          on_stage=None if json_out else stage, on_progress=on_progress)
-    except QuantkitError as exc:
-        _fail(exc)
+    with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
+        result = demo(workdir, arc_items, gsm8k_items, source_model=source_model,
+                      on_stage=None if json_out else stage, on_progress=on_progress)
     if json_out:
         _emit_json(result)
         return
@@ -388,31 +432,23 @@ def demo_cmd(
 
 def _print_stage(record) -> None:
     mark = {"ran": "[green]done[/]", "resumed": "[cyan]done earlier[/]", "reused": "[cyan]reused[/]",
-            "skipped": "[yellow]skipped[/]"}[record.status]
+            "skipped": "[yellow]skipped[/]"}[str(record.status)]
     out.print(f"{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {record.summary}", highlight=False)
 
 
-@app.command("synth")
+@command("synth")
 def synth_cmd(
-    family: str = typer.Argument(..., help="glm_moe_dsa, deepseek_v3 or llama."),
-    out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint to."),
-    seed: int = typer.Option(0, help="Random seed for the weights."),
-    bf16: bool = typer.Option(False, "--bf16", help="Write BF16 weights instead of block-FP8."),
-    experts: Optional[int] = typer.Option(None, help="Routed experts per layer (MoE families)."),
-    layers: Optional[int] = typer.Option(None, help="Decoder layers."),
+    family: Annotated[str, typer.Argument(help="glm_moe_dsa, deepseek_v3 or llama.")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Random seed for the weights.")] = 0,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Write BF16 weights instead of block-FP8.")] = False,
+    experts: Annotated[Optional[int], typer.Option(min=1, max=256, help="Routed experts per layer (MoE families).")] = None,
+    layers: Annotated[Optional[int], typer.Option(min=1, max=64, help="Decoder layers.")] = None,
 ) -> None:
     """Build a small synthetic checkpoint with a real release's on-disk layout (tests, demos)."""
     from quantkit.synthetic import build_synthetic
 
-    overrides = {}
-    if experts is not None:
-        overrides["n_routed_experts"] = experts
-    if layers is not None:
-        overrides["num_hidden_layers"] = layers
-    try:
-        path = build_synthetic(family, out_dir, seed=seed, fp8=False if bf16 else None, **overrides)
-    except ValueError as exc:
-        _fail(exc)
+    path = build_synthetic(family, out_dir, seed=seed, fp8=False if bf16 else None, experts=experts, layers=layers)
     out.print(f"wrote {path}")
 
 

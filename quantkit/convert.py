@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +27,18 @@ from quantkit import __version__
 from quantkit.checkpoint import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.families import detect_family
-from quantkit.manifest import MANIFEST_NAME, Manifest, ShardRecord, load_manifest
+from quantkit.manifest import MANIFEST_NAME, Manifest, ManifestStatus, ShardRecord, load_manifest
 from quantkit.recipe import Recipe, load_recipe
-from quantkit.shard_writer import ShardWriter, partial_name, write_bytes_atomic
+from quantkit.shard_writer import (
+    LOCK_NAME,
+    PARTIAL_SUFFIX,
+    ShardWriter,
+    copy_file_atomic,
+    folder_lock,
+    sha256_file,
+    write_bytes_atomic,
+    write_error,
+)
 from quantkit.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
@@ -53,6 +61,13 @@ class ConvertResult:
     workers: int
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    tensors_by_group: dict[str, int] = field(default_factory=dict)  # recipe group -> weights it took
+    skipped_files: list[str] = field(default_factory=list)  # weight files in SRC the index does not own
+    warnings: list[str] = field(default_factory=list)
+
+
+class DifferentRun(QuantkitError):
+    """DST holds a quantkit run of another source, recipe or layout."""
 
 
 def parse_size(text: str | int) -> int:
@@ -85,15 +100,30 @@ def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     recipe: str | os.PathLike,
+    *,
     device: str = "auto",
     workers: int | None = None,
     max_shard_size: str | int = "5GB",
     resume: bool = False,
     force: bool = False,
+    verify_reused: bool = True,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
-    """Convert SRC into DST with RECIPE. ``on_progress(done_bytes, total_bytes)`` reports source bytes."""
+    """Convert SRC into DST with RECIPE.
+
+    :param device: ``auto``, ``cpu``, ``cuda`` or a list ``cuda:0,cuda:1``.
+    :param workers: concurrent shard jobs (default 4 per GPU, or up to 4 on CPU).
+    :param max_shard_size: largest output file, e.g. ``5GB``.
+    :param resume: finish the interrupted run of the same job in DST.
+    :param force: replace the quantkit run DST holds (never a folder of other files).
+    :param verify_reused: on resume, re-hash each finished shard before keeping it.
+    :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
+    """
     started = time.perf_counter()
+    if resume and force:
+        raise QuantkitError("--resume and --force exclude each other")
+    if workers is not None and workers < 1:
+        raise QuantkitError(f"--workers must be at least 1 (got {workers})")
     src_path, dst_path = Path(src), Path(dst)
     _check_paths(src_path, dst_path)
     ckpt = open_checkpoint(src_path)
@@ -112,13 +142,51 @@ def convert(
         plan_sha256=plan.digest(),
         max_shard_size=parse_size(max_shard_size),
     )
-    manifest = _prepare_dst(dst_path, manifest, resume, force)
-    todo = [s for s in plan.shards if not _is_done(dst_path, s, manifest)]
+    _make_folder(dst_path)
+    with folder_lock(dst_path):
+        manifest, finished = _prepare_dst(dst_path, manifest, resume, force)
+        todo = [s for s in plan.shards if not _is_done(dst_path, s, manifest, verify_reused)]
+        total = sum(s.source_bytes for s in plan.shards)
+        progress = _Progress(total, on_progress)
+        progress.add(total - sum(s.source_bytes for s in todo))
+        stats = _Stats()
+        if finished and todo:
+            manifest.status = ManifestStatus.RUNNING
+            manifest.save(dst_path)
+            stats.warn(f"{len(todo)} finished shard(s) differed from the manifest and were written again; "
+                       "config.json and the index are rewritten, so KV scales added since must be calibrated again")
+        if todo or not finished:  # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
+            _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest)
+            _finish(ckpt, rec, plan, dst_path, manifest)
+    kinds: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    for shard in plan.shards:
+        for a in shard.actions:
+            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+            if a.group is not None:
+                groups[a.group] = groups.get(a.group, 0) + 1
+    return ConvertResult(
+        src=str(src_path),
+        dst=str(dst_path),
+        family=detect_family(ckpt.config).name,
+        recipe=rec.name,
+        source_bytes=ckpt.total_bytes,
+        output_bytes=sum(r.size for name, r in manifest.shards.items() if name in {s.name for s in plan.shards}),
+        shards_total=len(plan.shards),
+        shards_written=len(todo),
+        shards_reused=len(plan.shards) - len(todo),
+        tensors_by_kind=kinds,
+        devices=devices,
+        workers=workers,
+        seconds=time.perf_counter() - started,
+        stage_seconds=dict(stats.seconds),
+        tensors_by_group={g: groups.get(g, 0) for g in rec.config.config_groups},
+        skipped_files=list(ckpt.skipped_files),
+        warnings=list(stats.warnings),
+    )
 
-    total = sum(s.source_bytes for s in plan.shards)
-    progress = _Progress(total, on_progress)
-    progress.add(total - sum(s.source_bytes for s in todo))
-    stats = _Stats()
+
+def _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest) -> None:
     import torch
 
     threads = torch.get_num_threads()
@@ -129,27 +197,14 @@ def convert(
     finally:
         torch.set_num_threads(threads)  # the worker split is convert's own: later work in this process gets all cores
 
-    _finish(ckpt, rec, plan, dst_path, manifest)
-    kinds: dict[str, int] = {}
-    for shard in plan.shards:
-        for a in shard.actions:
-            kinds[a.kind] = kinds.get(a.kind, 0) + 1
-    return ConvertResult(
-        src=str(src_path),
-        dst=str(dst_path),
-        family=detect_family(ckpt.config).name,
-        recipe=rec.name,
-        source_bytes=ckpt.total_bytes,
-        output_bytes=sum(r.size for r in manifest.shards.values()),
-        shards_total=len(plan.shards),
-        shards_written=len(todo),
-        shards_reused=len(plan.shards) - len(todo),
-        tensors_by_kind=kinds,
-        devices=devices,
-        workers=workers,
-        seconds=time.perf_counter() - started,
-        stage_seconds=dict(stats.seconds),
-    )
+
+def _make_folder(dst: Path) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise QuantkitError("exists and is not a folder", dst)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(dst, exc) from exc
 
 
 def _check_paths(src: Path, dst: Path) -> None:
@@ -160,29 +215,38 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise QuantkitError(f"DST must not contain the source folder ({src})", dst)
 
 
-def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> Manifest:
-    """Decide whether DST is new, ours to resume, or someone else's (refused without --force)."""
-    if dst.exists() and not dst.is_dir():
-        raise QuantkitError("exists and is not a folder", dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    old = load_manifest(dst) if not force else None
-    entries = [p for p in dst.iterdir() if not p.name.endswith(".partial")]
+def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple[Manifest, bool]:
+    """Decide whether DST is new, ours to resume, or someone else's; returns the manifest to
+    continue and whether DST already holds this job, finished. Runs under DST's lock."""
+    try:
+        old = load_manifest(dst)
+    except QuantkitError:
+        if not force:
+            raise
+        old = None
+    entries = [p for p in dst.iterdir() if p.name != LOCK_NAME and not p.name.endswith(PARTIAL_SUFFIX)]
+    finished = False
     if force:
+        if entries and not (dst / MANIFEST_NAME).is_file():
+            raise QuantkitError("--force replaces a quantkit run, but this folder holds other files and no "
+                                f"{MANIFEST_NAME}; choose an empty or new folder", dst)
         _clear_outputs(dst)
     elif old is not None:
-        diffs = old.same_job(fresh)
+        diffs = old.differences(fresh)
         if diffs:
-            raise QuantkitError(f"holds another run (different {', '.join(diffs)}); use --force to replace it", dst)
+            raise DifferentRun(f"holds another run (different {', '.join(diffs)}); use --force to replace it", dst)
         if not resume:
             raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
         fresh.shards = old.shards
+        finished = old.status == ManifestStatus.COMPLETE
     elif entries:
-        raise QuantkitError("is not empty and holds no quantkit run; use --force to write into it anyway", dst)
-    for stale in dst.glob(".*.partial"):
+        raise QuantkitError("is not empty and holds no quantkit run; choose an empty or new folder", dst)
+    for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
         stale.unlink()
-    fresh.status = "running"
-    fresh.save(dst)
-    return fresh
+    if not finished:
+        fresh.status = ManifestStatus.RUNNING
+        fresh.save(dst)
+    return fresh, finished
 
 
 def _clear_outputs(dst: Path) -> None:
@@ -192,20 +256,28 @@ def _clear_outputs(dst: Path) -> None:
         (dst / name).unlink(missing_ok=True)
 
 
-def _is_done(dst: Path, shard: OutputShard, manifest: Manifest) -> bool:
+def _is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> bool:
+    """Whether a finished shard can be kept: recorded, present, and (``verify``) still the bytes recorded."""
     record = manifest.shards.get(shard.name)
     path = dst / shard.name
-    return record is not None and path.is_file() and path.stat().st_size == record.size
+    if record is None or not path.is_file() or path.is_symlink() or path.stat().st_size != record.size:
+        return False
+    return not verify or sha256_file(path) == record.sha256
 
 
 class _Stats:
     def __init__(self):
         self.seconds = {s: 0.0 for s in STAGES}
+        self.warnings: list[str] = []
         self._lock = threading.Lock()
 
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
             self.seconds[stage] += seconds
+
+    def warn(self, message: str) -> None:
+        with self._lock:
+            self.warnings.append(message)
 
 
 class _Progress:
@@ -263,7 +335,7 @@ def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, man
         finally:
             slots.put(dev)
         with lock:
-            manifest.shards[shard.name] = ShardRecord(written.sha256, written.size)
+            manifest.shards[shard.name] = ShardRecord(sha256=written.sha256, size=written.size)
             manifest.save(dst_path)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -383,6 +455,9 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         if action.encoding == "fp8_block":
             w_name, s_name = action.sources
             w, s = src[w_name].to(device), src[s_name].to(device)
+            zero = int((s == 0).sum())
+            if zero and stats is not None:
+                stats.warn(f"{where(s_name)}: tensor {s_name}: {zero} scale block(s) are 0, so their weights decode to 0")
             return checked(timed("decode", fp8_block.dequantize_fp8_block, w, s, plan.block, dtype))
         if action.encoding == "int4_packed":
             p_name, s_name, _ = action.sources
@@ -452,9 +527,7 @@ def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, m
     for rel in ckpt.other_files:
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = partial_name(target)
-        shutil.copyfile(ckpt.root / rel, tmp)
-        os.replace(tmp, target)
+        copy_file_atomic(ckpt.root / rel, target)
     weight_map = {o.name: s.name for s in plan.shards for o in s.tensors}
     index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
@@ -462,5 +535,5 @@ def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, m
     config["quantization_config"] = output_quantization_config(recipe, plan)
     # No sort_keys: config_groups keep the recipe's order, which first-match readers rely on.
     write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    manifest.status = "complete"
+    manifest.status = ManifestStatus.COMPLETE
     manifest.save(dst)

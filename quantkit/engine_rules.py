@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from quantkit.errors import QuantkitError
+
 # Fused at load time by the engines: members of one group must share one scheme.
 FUSED_GROUPS = (
     ("gate_proj", "up_proj"),
@@ -35,5 +37,5 @@ ENGINES = {
 
 def engine_rules(name: str) -> EngineRules:
     if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
+        raise QuantkitError(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
     return ENGINES[name]

@@ -23,3 +23,18 @@ class QuantkitError(Exception):
         prefix = ": ".join(where)
         text = f"{prefix}: {self.message}" if prefix else self.message
         return " ".join(text.split())
+
+
+class CannotCompare(QuantkitError):
+    """Two runs differ in something other than the model: no verdict either way (exit 2)."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as one line naming the path: 'PATH: permission denied', 'PATH: disk full'."""
+    import errno
+
+    reasons = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+               errno.EISDIR: "is a folder, not a file", errno.ENOTDIR: "not a folder", errno.ENOENT: "not found"}
+    reason = reasons.get(exc.errno, exc.strerror or type(exc).__name__)
+    where = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    return f"{' -> '.join(where)}: {reason}" if where else f"{reason} ({exc})"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from quantkit.model_config import is_moe
+
 COMPONENTS = (
     "routed_experts",
     "shared_experts",
@@ -49,7 +51,7 @@ def detect_family(config: dict) -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    moe = any(k in config for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    moe = is_moe(config)
     attention = "mla" if "kv_lora_rank" in config else "gqa"
     return Family(model_type or "unknown", (model_type,), moe=moe, attention=attention)
 

@@ -6,9 +6,10 @@ the shards that are complete on disk; ``verify`` and ``publish`` later read the 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import QuantkitError
 from quantkit.shard_writer import write_bytes_atomic
@@ -17,14 +18,21 @@ MANIFEST_NAME = "quantkit-manifest.json"
 FORMAT_VERSION = 1
 
 
-@dataclass
-class ShardRecord:
-    sha256: str
-    size: int
+class ManifestStatus(str, Enum):
+    RUNNING = "running"  # until every shard, the config and the index are written
+    COMPLETE = "complete"
 
 
-@dataclass
-class Manifest:
+class ShardRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     quantkit_version: str
     source_path: str
     source_fingerprint: str
@@ -32,11 +40,11 @@ class Manifest:
     recipe_sha256: str
     plan_sha256: str
     max_shard_size: int
-    status: str = "running"  # "running" until every shard, config and index is written
-    shards: dict[str, ShardRecord] = field(default_factory=dict)
+    status: ManifestStatus = ManifestStatus.RUNNING
+    shards: dict[str, ShardRecord] = Field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
-    def same_job(self, other: "Manifest") -> list[str]:
+    def differences(self, other: "Manifest") -> list[str]:
         """What differs between two runs that must not be mixed in one folder."""
         diffs = []
         if self.source_fingerprint != other.source_fingerprint:
@@ -48,8 +56,8 @@ class Manifest:
         return diffs
 
     def save(self, folder: Path) -> None:
-        data = asdict(self)
-        write_bytes_atomic(folder / MANIFEST_NAME, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+        text = self.model_dump_json(indent=2)
+        write_bytes_atomic(folder / MANIFEST_NAME, (text + "\n").encode())
 
 
 def load_manifest(folder: Path) -> Manifest | None:
@@ -57,8 +65,8 @@ def load_manifest(folder: Path) -> Manifest | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        shards = {k: ShardRecord(**v) for k, v in data.pop("shards").items()}
-        return Manifest(**data, shards=shards)
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise QuantkitError(f"unreadable manifest ({exc}); use --force to start over", path) from exc
+        return Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise QuantkitError(f"unreadable manifest ({where}: {first['msg']}); convert --force starts over", path) from exc

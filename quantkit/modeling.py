@@ -19,7 +19,7 @@ from quantkit import fp8_block, int4
 from quantkit.checkpoint import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.families import is_mtp
-from quantkit.tensor_plan import model_dtype_code, source_block
+from quantkit.model_config import fp8_block_size, model_dtype_code
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -46,7 +46,7 @@ def decode_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: to
     scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
     if scale_name is None:
         raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
-    return fp8_block.dequantize_fp8_block(t, reader.read(scale_name), _block(ckpt.config), dtype)
+    return fp8_block.dequantize_fp8_block(t, reader.read(scale_name), fp8_block_size(ckpt.config), dtype)
 
 
 def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -91,15 +91,6 @@ def meta_structure_mismatches(ckpt: Checkpoint) -> list[str]:
     problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
     problems += [f"{k}: shape {list(got[k])}, model wants {list(v)}" for k, v in expected.items() if k in got and got[k] != v]
     return problems
-
-
-def _block(config: dict) -> tuple[int, int]:
-    qc = config.get("quantization_config") or {}
-    for group in (qc.get("config_groups") or {}).values():
-        weights = group.get("weights") or {}
-        if weights.get("strategy") == "block":
-            return tuple(weights["block_structure"])
-    return source_block(config)
 
 
 def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -235,25 +235,24 @@ def memory_chart(report: PlanReport, path: Path) -> Path:
 
 def virtual_checkpoint(root: Path) -> Checkpoint:
     """The tensors a release of this config would hold, from config.json alone (no data)."""
-    import json
-
     import torch
     from transformers import AutoModelForCausalLM
 
+    from quantkit.checkpoint import read_config
     from quantkit.families import mtp_extra_shapes
+    from quantkit.model_config import model_dtype_code
     from quantkit.modeling import model_config, unfuse_experts
 
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise QuantkitError("config.json not found", root)
-    config = json.loads(config_path.read_text())
+    config = read_config(root)
     n_mtp = int(config.get("num_nextn_predict_layers") or 0)
+    if not config.get("num_hidden_layers"):
+        raise QuantkitError("num_hidden_layers missing: cannot size a model from this config alone", root / "config.json")
     layers = int(config["num_hidden_layers"])
     shaped = dict(config, num_hidden_layers=layers + n_mtp)
     for per_layer in ("mlp_layer_types", "layer_types", "indexer_types"):
         if isinstance(shaped.get(per_layer), list):
             shaped[per_layer] = shaped[per_layer] + shaped[per_layer][-1:] * n_mtp
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch."))
+    dtype = getattr(torch, DTYPES[model_dtype_code(config)][1])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(shaped), dtype=dtype)
     state = unfuse_experts(dict(model.state_dict()))

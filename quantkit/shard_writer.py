@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import secrets
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,19 @@ class WrittenFile:
     sha256: str
 
 
+PARTIAL_SUFFIX = ".partial"
+LOCK_NAME = ".quantkit.lock"
+
+
 def partial_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
+    """A fresh hidden temporary name beside ``path``: unique per call, so two writers never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+
+
+def open_exclusive(tmp: Path):
+    """Create ``tmp`` for writing; never follows a link planted there, never opens an existing file."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, "wb")
 
 
 def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
@@ -76,7 +89,7 @@ class ShardWriter:
         self._header = safetensors_header(self.entries, metadata)
 
     def __enter__(self) -> "ShardWriter":
-        self._file = self._guard(lambda: open(self._tmp, "wb"))
+        self._file = self._guard(lambda: open_exclusive(self._tmp))
         self._emit(self._header)
         return self
 
@@ -143,7 +156,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = partial_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with open_exclusive(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -151,6 +164,44 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from exc
+
+
+@contextmanager
+def folder_lock(folder: Path):
+    """Hold an exclusive lock on ``folder`` while writing into it; a second writer gets a clear error."""
+    import fcntl
+
+    path = folder / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise QuantkitError("in use by another quantkit process (it holds .quantkit.lock); wait for it to end",
+                                folder) from exc
+        yield
+    finally:
+        os.close(fd)
+
+
+def copy_file_atomic(src: Path, path: Path, chunk: int = 16 << 20) -> None:
+    """Copy ``src`` to ``path`` through an exclusive temporary file; nothing under the final name until complete."""
+    tmp = partial_name(path)
+    try:
+        with open(src, "rb") as fin, open_exclusive(tmp) as fout:
+            while block := fin.read(chunk):
+                fout.write(block)
+            fout.flush()
+            os.fsync(fout.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is not None and Path(exc.filename) == src:
+            raise QuantkitError(f"cannot read: {exc.strerror}", src) from exc
         raise write_error(path, exc) from exc
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint import INDEX_NAME
+from quantkit.errors import QuantkitError
 from quantkit.families import mtp_extra_shapes
 from quantkit.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
 from quantkit.modeling import unfuse_experts
@@ -43,7 +44,7 @@ def tiny_config(family: str, **overrides) -> dict:
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         )
     else:
-        raise ValueError(f"unknown synthetic family {family!r}; choose from {', '.join(FAMILIES)}")
+        raise QuantkitError(f"unknown synthetic family {family!r}; choose from {', '.join(FAMILIES)}")
     base.update(overrides)
     return base
 
@@ -92,18 +93,25 @@ def build_synthetic(
     seed: int = 0,
     fp8: bool | None = None,
     shard_size: int = 2_000_000,
+    experts: int | None = None,
+    layers: int | None = None,
     **overrides,
 ) -> Path:
     """Write a synthetic checkpoint of ``family`` to ``out``; returns the folder.
 
     fp8: block-FP8 Linears like the real release (default for MoE families; Llama defaults
     to BF16). shard_size: bytes per shard, small by default so even tiny models have several.
+    experts, layers: routed experts per MoE layer and decoder layers; other config fields in ``overrides``.
     """
+    if experts is not None:
+        overrides["n_routed_experts"] = experts
+    if layers is not None:
+        overrides["num_hidden_layers"] = layers
+    cfg_kwargs = tiny_config(family, **overrides)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     moe = family != "llama"
     fp8 = moe if fp8 is None else fp8
-    cfg_kwargs = tiny_config(family, **overrides)
     config, state = _model_state(family, cfg_kwargs, seed)
     state = unfuse_experts(state)
     if moe:

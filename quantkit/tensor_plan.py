@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from compressed_tensors.quantization import QuantizationScheme
 
 from quantkit import fp8_block, int4
-from quantkit.checkpoint import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
+from quantkit.checkpoint import DTYPES, Checkpoint, TensorInfo
 from quantkit.describe import described_by
 from quantkit.errors import QuantkitError
 from quantkit.families import is_linear_weight
+from quantkit.model_config import FLOAT_CODES, fp8_block_size, model_dtype_code
 from quantkit.recipe import Recipe
 
-FLOAT_CODES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
@@ -101,25 +101,10 @@ class ConversionPlan:
         return h.hexdigest()
 
 
-def model_dtype_code(config: dict) -> str:
-    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
-    code = TORCH_TO_CODE.get(name)
-    if code not in FLOAT_CODES:
-        return "BF16"
-    return code
-
-
-def source_block(config: dict) -> tuple[int, int]:
-    qc = config.get("quantization_config") or {}
-    if qc.get("quant_method") == "fp8":
-        return tuple(qc.get("weight_block_size") or (128, 128))
-    return (128, 128)
-
-
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> ConversionPlan:
     config = ckpt.config
     dtype = model_dtype_code(config)
-    block = source_block(config)
+    block = fp8_block_size(config)
     source_ct = described_by(ckpt)
     tensors = ckpt.tensors
 
@@ -152,6 +137,11 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     actions.sort(key=order)
     for a in actions:
         a.source_bytes = sum(tensors[s].nbytes for s in a.sources)
+    taken = {a.group for a in actions if a.group is not None}
+    for group, scheme in recipe.config.config_groups.items():
+        if group not in taken:  # a typo in a target, or an ignore that swallows it: never a silent no-op
+            raise QuantkitError(f"recipe {recipe.name}: group {group} (targets {scheme.targets}) matches no weight "
+                                "of this checkpoint", ckpt.root)
     return ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
 
 
@@ -183,6 +173,8 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
 
     weight = params["weight"]
     scale_inv = params.get("weight_scale_inv")
+    if weight.dtype == "F8_E5M2":
+        raise QuantkitError("FP8 e5m2 weight: only e4m3 block-FP8 sources are supported", where(weight), weight.name)
     if weight.dtype == "F8_E4M3":
         if scale_inv is None:
             raise QuantkitError("FP8 weight without its scale (weight_scale_inv)", where(weight), weight.name)
@@ -204,7 +196,11 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
     else:
         return Action("copy", module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
 
-    match = recipe.scheme_for(module, is_linear_weight(weight.name, len(weight.shape)))
+    matches = recipe.groups_for(module, is_linear_weight(weight.name, len(weight.shape)))
+    if len(matches) > 1:
+        raise QuantkitError(f"recipe groups {matches[0][0]} and {matches[1][0]} both target this module; "
+                            "give each module one group", where(weight), weight.name)
+    match = matches[0] if matches else None
     if match is None:
         out_dtype = dtype if encoding == "fp8_block" else weight.dtype
         kind = "dequantize" if encoding == "fp8_block" else "keep_float"

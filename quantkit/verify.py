@@ -24,6 +24,7 @@ from quantkit.describe import config_mismatches
 from quantkit.engine_rules import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
 from quantkit.errors import QuantkitError
 from quantkit.manifest import load_manifest
+from quantkit.model_config import num_experts
 
 # Relative error ||w' - w|| / ||w|| above which a quantized tensor is broken, not just INT4:
 # healthy symmetric INT4 RTN sits near 0.1 (g32) to 0.13 (g128) on real and Gaussian weights;
@@ -161,7 +162,7 @@ def _structure(ckpt: Checkpoint, stored: dict[str, _Stored]) -> list[Finding]:
         for m in config_mismatches(ckpt)
     ]
     config = ckpt.config
-    n_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    n_experts = num_experts(config)
     experts: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     for module in stored:
         m = _EXPERT.match(module)

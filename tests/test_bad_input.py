@@ -129,9 +129,9 @@ def test_group_size_not_dividing_in_features(glm_copy, tmp_path):
 
 
 def open_recipe_text(name):
-    from quantkit.recipe import resolve_recipe_path
+    from quantkit.packaged import recipe_path
 
-    return resolve_recipe_path(name).read_text()
+    return recipe_path(name).read_text()
 
 
 def point_index(src, tensor, file):

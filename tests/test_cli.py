@@ -14,7 +14,7 @@ runner = CliRunner()
 
 def test_help_is_fast_and_imports_no_heavy_library():
     t0 = time.perf_counter()
-    code = "import sys, cli; cli.app(['--help'], standalone_mode=False); print(sorted(m for m in ('torch', 'transformers', 'compressed_tensors') if m in sys.modules))"
+    code = "import sys; from quantkit import cli; cli.app(['--help'], standalone_mode=False); print(sorted(m for m in ('torch', 'transformers', 'compressed_tensors') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"

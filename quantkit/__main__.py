@@ -1,0 +1,5 @@
+"""``python -m quantkit``: the same as the ``quantkit`` command."""
+
+from quantkit.cli import main
+
+main()

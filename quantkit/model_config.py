@@ -1,0 +1,70 @@
+"""What a checkpoint's config.json says, in one place: model dtype, FP8 block size, MoE or not.
+
+``check_config`` runs once when a checkpoint is opened (``checkpoint.read_config``), so the
+readers below may trust the fields they read. It also bounds what a config may ask for: a
+config claiming a million layers or experts would otherwise make ``plan`` and ``verify`` build
+structures for ever; real models are orders of magnitude below these limits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+FLOAT_CODES = ("BF16", "F16", "F32")
+MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "hidden_size": 1 << 17,
+          "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 23,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, **{k: 8192 for k in MOE_KEYS}}
+_DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Refuse, naming the field, what quantkit would misread or could not bound."""
+    for key, limit in LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise QuantkitError(f"{key} = {value!r}: expected an integer from 0 to {limit:,}", path)
+    qc = config.get("quantization_config")
+    if qc is None:
+        return
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"quantization_config is a {type(qc).__name__}, not an object", path)
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size", [128, 128])
+        if (not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 16 for b in block)):
+            raise QuantkitError(f"quantization_config.weight_block_size = {block!r}: expected two positive integers", path)
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise QuantkitError(f"quantization_config.fmt = {fmt!r}: only e4m3 block-FP8 releases are supported", path)
+
+
+def model_dtype_code(config: dict) -> str:
+    """safetensors code of the dtype a dequantized weight takes (the model's own; BF16 by default)."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return _DTYPE_CODES.get(name, "BF16")
+
+
+def fp8_block_size(config: dict) -> tuple[int, int]:
+    """The FP8 block of a release (``weight_block_size``) or of a compressed-tensors block group."""
+    qc = config.get("quantization_config") or {}
+    for group in (qc.get("config_groups") or {}).values():
+        weights = (group or {}).get("weights") or {}
+        if weights.get("strategy") == "block" and weights.get("block_structure"):
+            return tuple(weights["block_structure"])
+    if qc.get("quant_method") == "fp8":
+        return tuple(qc.get("weight_block_size") or (128, 128))
+    return (128, 128)
+
+
+def num_experts(config: dict) -> int | None:
+    """Routed experts per MoE layer, or None for a dense model."""
+    return next((config[k] for k in MOE_KEYS if config.get(k)), None)
+
+
+def is_moe(config: dict) -> bool:
+    return num_experts(config) is not None
