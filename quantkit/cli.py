@@ -28,8 +28,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-# Wide enough that a file name is never cut in a log (no terminal: Rich would assume 80 columns).
+# Off a terminal (a log, a pipe) Rich would wrap at 80 columns and cut file names: no wrapping there.
+out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 10_000)
 _debug = {"on": os.environ.get("QUANTKIT_DEBUG", "") not in ("", "0")}
 

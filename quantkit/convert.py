@@ -143,6 +143,7 @@ def convert(
         max_shard_size=parse_size(max_shard_size),
     )
     _make_folder(dst_path)
+    _refuse_foreign(dst_path)
     with folder_lock(dst_path):
         manifest, finished = _prepare_dst(dst_path, manifest, resume, force)
         todo = [s for s in plan.shards if not _is_done(dst_path, s, manifest, verify_reused)]
@@ -224,12 +225,9 @@ def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple
         if not force:
             raise
         old = None
-    entries = [p for p in dst.iterdir() if p.name != LOCK_NAME and not p.name.endswith(PARTIAL_SUFFIX)]
+    _refuse_foreign(dst)
     finished = False
     if force:
-        if entries and not (dst / MANIFEST_NAME).is_file():
-            raise QuantkitError("--force replaces a quantkit run, but this folder holds other files and no "
-                                f"{MANIFEST_NAME}; choose an empty or new folder", dst)
         _clear_outputs(dst)
     elif old is not None:
         diffs = old.differences(fresh)
@@ -239,14 +237,20 @@ def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple
             raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
         fresh.shards = old.shards
         finished = old.status == ManifestStatus.COMPLETE
-    elif entries:
-        raise QuantkitError("is not empty and holds no quantkit run; choose an empty or new folder", dst)
     for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
         stale.unlink()
     if not finished:
         fresh.status = ManifestStatus.RUNNING
         fresh.save(dst)
     return fresh, finished
+
+
+def _refuse_foreign(dst: Path) -> None:
+    """DST must be empty or hold a quantkit run: another folder's files are never written into or cleared (not even with --force)."""
+    if any(p.name != LOCK_NAME and not p.name.endswith(PARTIAL_SUFFIX) for p in dst.iterdir()) and not (
+            dst / MANIFEST_NAME).is_file():
+        raise QuantkitError(f"holds other files and no {MANIFEST_NAME}, so it is not a quantkit output; "
+                            "choose an empty or new folder", dst)
 
 
 def _clear_outputs(dst: Path) -> None:

@@ -84,6 +84,8 @@ def publish(
     files = sorted([f for f in upload_list(dst) if f["name"] != CARD_NAME] + [{"name": CARD_NAME, "bytes": len(card.encode())}],
                    key=lambda f: f["name"])
     result = PublishResult(repo, "hub", revision or "main", verdict is not None, dry_run, files, card)
+    if target is not None:
+        _check_target_contents(target, {f["name"] for f in files})
     if dry_run:
         return result
     write_bytes_atomic(dst / CARD_NAME, card.encode())
@@ -169,16 +171,22 @@ def _local_target(dst: Path, repo: str) -> Path:
     return target
 
 
+def _check_target_contents(target: Path, names: set[str]) -> None:
+    """A local target may hold only an earlier, interrupted copy of these files: never merged into."""
+    if not target.is_dir():
+        return
+    for path in sorted(target.rglob("*")):
+        rel = path.relative_to(target).as_posix()
+        if rel == LOCK_NAME or path.name.endswith(PARTIAL_SUFFIX):
+            continue
+        if path.is_symlink() or (not path.is_dir() and rel not in names):
+            raise QuantkitError(f"the target folder holds {rel}, which is not part of this model; "
+                                "publish into a new or empty folder", target)
+
+
 def _publish_local(dst: Path, target: Path, files: list[dict]) -> Path:
     """Copy file by file (exclusive temporary name, then rename); files already there and equal are
-    kept, so a re-run resumes. A folder holding anything else is refused, never merged into."""
-    names = {f["name"] for f in files}
-    if target.is_dir():
-        for path in sorted(target.rglob("*")):
-            rel = path.relative_to(target).as_posix()
-            if path.is_symlink() or (not path.is_dir() and rel not in names and not path.name.endswith(PARTIAL_SUFFIX)):
-                raise QuantkitError(f"the target folder holds {rel}, which is not part of this model; "
-                                    "publish into a new or empty folder", target)
+    kept, so a re-run resumes."""
     target.mkdir(parents=True, exist_ok=True)
     with folder_lock(target):
         for f in files:

@@ -192,7 +192,7 @@ def test_dst_holding_something_else(glm_copy, tmp_path):
     (dst / "notes.txt").write_text("mine")
     before = tree_bytes(glm_copy)
     r = quantkit(*convert_args(glm_copy, dst))
-    assert_clean_failure(r, glm_copy, before, "holds no quantkit run")
+    assert_clean_failure(r, glm_copy, before, "not a quantkit output")
     assert (dst / "notes.txt").read_text() == "mine"
 
 

@@ -1,7 +1,6 @@
 """eval (hf engine) on the real SmolLM2 over local benchmark data, feeding the gate."""
 
 import json
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -36,11 +35,44 @@ def test_run_directory_holds_items_scores_and_provenance(arc_run):
 
 def test_rerun_resumes_from_cached_requests(arc_run, smollm2_bf16):
     run = Path(arc_run.run_dir)
-    db = next((run / "cache").glob("requests*.db"))
-    rows = sqlite3.connect(db).execute("select count(*) from unnamed").fetchone()[0]
-    assert rows >= 6 * 4  # every loglikelihood request of the first run is cached
+    cache = run / "cache" / "requests.jsonl"
+    rows = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert len(rows) >= 6 * 4 + 6  # every loglikelihood and generation request of the first run, as JSON
     again = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=run, batch_size=8)
     assert again.scores == arc_run.scores
+    assert len(cache.read_text().splitlines()) == len(rows)  # nothing was asked of the model again
+
+
+class Poison:
+    """Unpickling this runs code: it leaves a file behind."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path(self.marker).touch, ())
+
+
+def test_a_poisoned_run_directory_runs_no_code(arc_run, smollm2_bf16, tmp_path):
+    """lm-eval's own cache is a SqliteDict of pickles and its task folder may hold Python: a shared
+    RUN_DIR must be data only. Both are planted; the run must neither execute them nor read them."""
+    import shutil
+
+    from sqlitedict import SqliteDict
+
+    run = tmp_path / "shared-run"
+    shutil.copytree(arc_run.run_dir, run)
+    marker = tmp_path / "pwned"
+    db = SqliteDict(str(run / "cache" / "requests_rank0.db"), autocommit=True)
+    for key in [json.loads(line)["key"] for line in (run / "cache" / "requests.jsonl").read_text().splitlines()]:
+        db[key] = Poison(marker)
+    db.close()
+    (run / "tasks").mkdir()
+    (run / "tasks" / "evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
+    (run / "tasks" / "quantkit_arc_easy.yaml").write_text("task: quantkit_arc_easy\nprocess_docs: !function evil.run\n")
+    (run / "cache" / "requests.jsonl").unlink()
+    again = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=run, batch_size=8)
+    assert again.scores == arc_run.scores and not marker.exists()
 
 
 def test_identical_runs_gate_and_other_settings_do_not(arc_run, smollm2_bf16, tmp_path):

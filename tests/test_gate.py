@@ -120,3 +120,73 @@ def test_cli_exit_codes(tmp_path):
     drop = [0 if (v and i % 10 == 0) else v for i, v in enumerate(base)]
     bad = CliRunner().invoke(app, ["gate", str(a), str(write_run(tmp_path / "c", {"arc_easy": drop})), "--suite", str(s), "--json"])
     assert bad.exit_code == 1 and json.loads(bad.stdout)["passed"] is False
+
+
+def _lines(run, task="arc_easy"):
+    return [json.loads(line) for line in (run / "samples" / f"{task}.jsonl").read_text().splitlines()]
+
+
+def _rewrite(run, rows, task="arc_easy"):
+    (run / "samples" / f"{task}.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_duplicated_ids_cannot_turn_failures_into_a_pass(tmp_path):
+    """200 items, the candidate fails the first 100; repeating those ids as correct once collapsed to a pass."""
+    s = suite(tmp_path, ["arc_easy"], margin=1.0, correction="none")
+    base = write_run(tmp_path / "a", {"arc_easy": [1] * 200})
+    cand = write_run(tmp_path / "b", {"arc_easy": [0] * 100 + [1] * 100})
+    rows = _lines(cand)
+    _rewrite(cand, rows + [dict(r, correct=1) for r in rows[:100]])
+    with pytest.raises(CannotCompare, match="item arc_easy-0 appears twice"):
+        gate(base, cand, s)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda rows: [dict(rows[0], correct=500)] + rows[1:], "correct: Input should be less than or equal to 1"),
+    (lambda rows: [dict(rows[0], correct=True)] + rows[1:], "correct: Input should be a valid integer"),
+    (lambda rows: [dict(rows[0], choice_logprobs=[-1.0, -2.0], gold=5)] + rows[1:], "gold 5 is out of range"),
+    (lambda rows: [dict(rows[0], choice_logprobs=[])] + rows[1:], "choice_logprobs"),
+    (lambda rows: ["[1, 2, 3]"] + rows[1:], "line 1: invalid sample"),
+    (lambda rows: [{k: v for k, v in rows[0].items() if k != "correct"}] + rows[1:], "correct: Field required"),
+    (lambda rows: [dict(rows[0], extra="x")] + rows[1:], "extra: Extra inputs are not permitted"),
+    (lambda rows: [dict(rows[0], item_id="arc_easy-999")] + rows[1:], "arc_easy-0 is missing or foreign"),
+    (lambda rows: [], "scored no items"),
+])
+def test_run_files_are_validated_strictly(tmp_path, damage, message):
+    s = suite(tmp_path, ["arc_easy"])
+    base = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
+    cand = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]})
+    _rewrite(cand, damage(_lines(cand)))
+    with pytest.raises(CannotCompare, match=message):
+        gate(base, cand, s)
+    r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "arc_easy.jsonl" in r.output
+
+
+# Nine levels of ten aliases each: a few hundred bytes that expand to 10^9 strings.
+BILLION_LAUGHS = "l0: &l0 [lol]\n" + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 10))
+
+
+def test_run_records_and_suites_are_validated(tmp_path):
+    s = suite(tmp_path, ["arc_easy"])
+    base = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
+    cand = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]})
+    meta = json.loads((cand / "run.json").read_text())
+    meta["tasks"]["arc_easy"]["items"] = 4  # the task's data has 4 items: a run that scored 3 is incomplete
+    (cand / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(CannotCompare, match="not the task's first 4"):
+        gate(base, cand, s)
+    (cand / "run.json").write_text("{not json")
+    with pytest.raises(CannotCompare, match="run.json: invalid run record"):
+        gate(base, cand, s)
+    for text, message in [("tasks: [arc_easy]\n", "tasks: Input should be a valid dictionary"),
+                          ("alpha: 5\ntasks: {arc_easy: {}}\n", "alpha: Input should be less than 1"),
+                          ("tasks: {arc_easy: {margin: -1}}\n", "margin: Input should be greater than or equal to 0"),
+                          (BILLION_LAUGHS, "alias")]:
+        bad = tmp_path / "bad-suite.yaml"
+        bad.write_text(text)
+        r = CliRunner().invoke(app, ["gate", str(base), str(base), "--suite", str(bad)])
+        assert r.exit_code == 2 and message in r.output and "bad-suite.yaml" in r.output, r.output
+    (tmp_path / "report-file").write_text("")
+    r = CliRunner().invoke(app, ["gate", str(base), str(base), "--suite", str(s), "--report", str(tmp_path / "report-file")])
+    assert r.exit_code == 2 and "report folder is a file" in r.output
