@@ -248,3 +248,127 @@ def test_disk_full_while_writing(glm_copy, tmp_path, monkeypatch):
 def test_resume_and_force_together_are_refused(glm_copy, tmp_path):
     r = quantkit(*convert_args(glm_copy, tmp_path / "dst"), "--resume", "--force")
     assert r.exit_code != 0 and "exclude each other" in r.output
+
+
+def edit_header(src, tensor, fn):
+    """Rewrite the safetensors header of the shard holding ``tensor`` (data bytes untouched)."""
+    path = shard_of(src, tensor)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    fn(header[tensor])
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+    return path.name
+
+
+def edit_json(path, fn):
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(data)))
+    return path.name
+
+
+def set_key(key, value):
+    def fn(data):
+        data[key] = value
+        return data
+
+    return fn
+
+
+def set_block(value):
+    def fn(config):
+        config["quantization_config"]["weight_block_size"] = value
+        return config
+
+    return fn
+
+
+def shard_as_folder(src):
+    path = shard_of(src, ATTN + ".weight")
+    path.unlink()
+    path.mkdir()
+    return path.name
+
+
+# (what is damaged, the damage -> the file name the error must name, the message fragment)
+BOUNDARIES = {
+    "header: dtype a list": (lambda s: edit_header(s, ATTN + ".weight", set_key("dtype", ["BF16"])), "unsupported dtype"),
+    "header: offsets strings": (lambda s: edit_header(s, ATTN + ".weight", set_key("data_offsets", ["0", "8"])),
+                                "malformed data_offsets"),
+    "header: offsets floats": (lambda s: edit_header(s, ATTN + ".weight", set_key("data_offsets", [0.0, 8.5])),
+                               "malformed data_offsets"),
+    "header: negative dims": (lambda s: edit_header(s, ATTN + ".weight", set_key("shape", [-1, 256])), "malformed shape"),
+    "header: an entry that is a list": (lambda s: edit_header(s, ATTN + ".weight", lambda e: e.clear()),
+                                        "malformed header entry"),
+    "shard: a folder": (shard_as_folder, "not a regular file"),
+    "index: a value of the wrong type": (lambda s: edit_json(s / "model.safetensors.index.json", lambda i: dict(
+        i, weight_map=dict(i["weight_map"], **{ATTN + ".weight": 7}))), "is not a file name"),
+    "index: a list": (lambda s: edit_json(s / "model.safetensors.index.json", lambda i: [i]), "invalid index"),
+    "config: a list": (lambda s: edit_json(s / "config.json", lambda c: [c]), "not a JSON object"),
+    "config: null": (lambda s: edit_json(s / "config.json", lambda c: None), "not a JSON object"),
+    "config: block size 0": (lambda s: edit_json(s / "config.json", set_block([0, 128])), "weight_block_size"),
+    "config: block size one item": (lambda s: edit_json(s / "config.json", set_block([128])), "weight_block_size"),
+    "config: block size a string": (lambda s: edit_json(s / "config.json", set_block("128")), "weight_block_size"),
+    "config: quantization_config a string": (lambda s: edit_json(s / "config.json", set_key("quantization_config", "fp8")),
+                                             "quantization_config is a str"),
+    "config: not JSON": (lambda s: (s / "config.json").write_text("{oops") and "config.json", "invalid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDARIES))
+@pytest.mark.parametrize("command", ["inspect", "plan", "convert"])
+def test_every_boundary_gives_one_line_naming_the_file(glm_copy, tmp_path, case, command):
+    damage, fragment = BOUNDARIES[case]
+    name = damage(glm_copy)
+    before = tree_bytes(glm_copy)
+    args = {"inspect": ("inspect", glm_copy), "plan": ("plan", glm_copy, "-r", "glm5-int4-experts-g32"),
+            "convert": convert_args(glm_copy, tmp_path / "dst")}[command]
+    r = quantkit(*args)
+    assert_clean_failure(r, glm_copy, before, name, fragment, dst=tmp_path / "dst")
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda m: dict(m, shards=[]), "shards: Input should be an object"),
+    (lambda m: dict(m, status="done"), "status: Input should be 'running' or 'complete'"),
+    (lambda m: {k: v for k, v in m.items() if k != "recipe_sha256"}, "recipe_sha256: Field required"),
+])
+def test_a_corrupt_manifest_is_one_line(synthetic, tmp_path, damage, fragment):
+    from quantkit.convert import convert
+
+    dst = tmp_path / "dst"
+    convert(synthetic["llama"], dst, "dense-w4a16-g128", device="cpu")
+    manifest = dst / "quantkit-manifest.json"
+    manifest.write_text(json.dumps(damage(json.loads(manifest.read_text()))))
+    for args in (("verify", dst, "--no-smoke"), ("convert", synthetic["llama"], dst, "-r", "dense-w4a16-g128", "--resume"),
+                 ("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated")):
+        r = quantkit(*args)
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 1 and len(lines) == 1 and "quantkit-manifest.json" in lines[0] and fragment in lines[0], r.output
+    manifest.write_text("{not json")
+    r = quantkit("verify", dst, "--no-smoke")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1 and "unreadable manifest" in r.output
+
+
+def test_options_out_of_range_are_usage_errors(glm_copy, tmp_path):
+    r = quantkit("convert", glm_copy, tmp_path / "dst", "-r", "glm5-int4-experts-g32", "--workers", "-1")
+    assert r.exit_code == 2 and "Invalid value for '--workers'" in r.output and "Traceback" not in r.output
+
+
+def test_disk_full_while_copying_side_files(glm_copy, tmp_path, monkeypatch):
+    import quantkit.shard_writer as shard_writer
+
+    real = shard_writer.open_exclusive
+
+    def full(tmp):
+        if "tokenizer" in tmp.name or "chat_template" in tmp.name or "generation" in tmp.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tmp)
+
+    monkeypatch.setattr(shard_writer, "open_exclusive", full)
+    before = tree_bytes(glm_copy)
+    dst = tmp_path / "dst"
+    r = quantkit(*convert_args(glm_copy, dst))
+    assert_clean_failure(r, glm_copy, before, "disk full", dst=dst)

@@ -4,10 +4,13 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from quantkit.cli import app
+
+pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
 
 def test_demo_gates_both_candidates_and_publishes_only_the_one_that_passes(smollm2_bf16, tmp_path):

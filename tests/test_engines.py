@@ -16,6 +16,8 @@ import pytest
 from quantkit.evaluation import evaluate
 from quantkit.gate import CannotCompare, gate
 from quantkit.serving import (
+
+pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
     EngineError,
     LaunchSpec,
     SGLangServer,
@@ -154,6 +156,7 @@ def test_stopping_quantkit_stops_the_server(smollm2_bf16, tmp_path, how):
     assert quantkit.returncode != 0
     if how != signal.SIGKILL:
         assert "interrupted" in stderr
+        assert "starting the engine: " in stderr and "never-healthy" in stderr  # executable config is shown first
     deadline = time.monotonic() + 20
     while running(pids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -10,6 +10,8 @@ from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
 from quantkit.gate import CannotCompare, gate
 
+pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
+
 DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 
 

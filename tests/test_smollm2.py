@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quantkit.convert import convert
 from quantkit.numerics import tensor_errors
 
+pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
+
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_bf16, tmp_path_factory):

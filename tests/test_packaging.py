@@ -1,0 +1,36 @@
+"""A wheel built from the repository works on its own: recipes and suites inside, the command installed."""
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_built_wheel_converts_with_a_built_in_recipe(synthetic, tmp_path):
+    built = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(built)], check=True, capture_output=True)
+    wheel = next(built.glob("quantkit-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "quantkit/recipes/glm5-int4-experts-g32.yaml" in names and "quantkit/suites/release.yaml" in names
+    assert "cli.py" not in names  # no bare top-level module
+
+    # A fresh environment: the wheel in its own site-packages, the dependencies borrowed read-only
+    # from this one (a .pth path line: no editable finder of the checkout comes along).
+    fresh = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
+    site = Path(subprocess.run([str(fresh / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True)
+    (site / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run = subprocess.run([str(fresh / "bin" / "python"), "-m", "quantkit", "convert", str(synthetic["glm_moe_dsa"]),
+                          str(tmp_path / "out"), "--recipe", "glm5-int4-experts-g32", "--device", "cpu"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    where = subprocess.run([str(fresh / "bin" / "python"), "-c", "import quantkit.packaged as p; print(p.recipes_dir())"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(site)
