@@ -18,6 +18,7 @@ from pathlib import Path
 from lm_eval.api.model import LM, hash_args
 
 from quantkit.errors import QuantkitError
+from quantkit.lm_wrapper import DelegatingLM
 
 METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
@@ -76,26 +77,13 @@ class RequestCache:
             f.write(json.dumps({"key": key, "attr": attr, "answer": list(res) if isinstance(res, tuple) else res}) + "\n")
 
 
-class CachedLM(LM):
+class CachedLM(DelegatingLM):
     """Answers from the cache where it has them; the inner model answers the rest and fills it."""
 
     def __init__(self, inner: LM, cache: RequestCache):
-        super().__init__()
-        self.inner, self.cache = inner, cache
+        super().__init__(inner)
+        self.cache = cache
         inner.set_cache_hook(cache)
-
-    def __getattr__(self, name):  # device, tokenizer_name, get_model_info, ...
-        if name in ("inner", "cache"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return self._answer("loglikelihood", requests, disable_tqdm)

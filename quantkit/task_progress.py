@@ -11,26 +11,15 @@ from collections.abc import Callable
 
 from lm_eval.api.model import LM
 
+from quantkit.lm_wrapper import DelegatingLM
+
 REQUESTS_PER_SLICE = 256
 
 
-class TaskProgress(LM):
+class TaskProgress(DelegatingLM):
     def __init__(self, inner: LM, task: str, on_progress: Callable[[str, int, int], None] | None):
-        super().__init__()
-        self.inner, self.task, self.on_progress = inner, task, on_progress
-
-    def __getattr__(self, name):  # device, tokenizer_name, get_model_info, ...
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
+        super().__init__(inner)
+        self.task, self.on_progress = task, on_progress
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return self._sliced("loglikelihood", requests)
