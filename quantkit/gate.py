@@ -23,13 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.packaged import suite_path
-from quantkit.run_dir import SampleRecord, read_run_record, read_samples
+from quantkit.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
 MODEL_FIELDS = ("model", "model_checksums", "created", "server")
 DEFAULT_SUITE = "release"
 
-__all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_suite", "paired_interval"]
+__all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_samples", "load_suite", "paired_interval"]
 
 
 class _Strict(BaseModel):
@@ -120,15 +120,11 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
                  loglik_margin=spec.loglik_margin, may_differ=spec.may_differ)
 
 
-def load_run(run_dir: Path, tasks: list[str]) -> tuple[dict, dict[str, dict[str, SampleRecord]]]:
-    """A run's provenance (as a dict, for comparing) and the named tasks' records, strictly validated."""
-    record = read_run_record(run_dir)
-    samples = {}
-    for task in tasks:
-        if task not in record.tasks:
-            raise CannotCompare(f"task {task} is not in this run", run_dir / "run.json")
-        samples[task] = read_samples(run_dir, task, record.tasks[task].items)
-    return record.model_dump(), samples
+def load_samples(run_dir: Path, record: RunRecord, task: str) -> dict[str, SampleRecord]:
+    """One task's records of a run, strictly validated against the run's item count."""
+    if task not in record.tasks:
+        raise CannotCompare(f"task {task} is not in this run", run_dir / "run.json")
+    return read_samples(run_dir, task, record.tasks[task].items)
 
 
 def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -176,8 +172,8 @@ def gate(
         raise
     except QuantkitError as exc:
         raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
-    base_meta, base = load_run(Path(baseline), list(spec.tasks))
-    cand_meta, cand = load_run(Path(candidate), list(spec.tasks))
+    base_record, cand_record = read_run_record(Path(baseline)), read_run_record(Path(candidate))
+    base_meta, cand_meta = base_record.model_dump(), cand_record.model_dump()
     all_diffs = provenance_differences(base_meta, cand_meta)
     allowed = [d for d in all_diffs if d.split(":", 1)[0] in spec.may_differ]
     diffs = [d for d in all_diffs if d not in allowed]
@@ -188,7 +184,7 @@ def gate(
     z = NormalDist().inv_cdf(1 - alpha / 2)
     verdicts = []
     for task, task_margin in spec.tasks.items():
-        b, c = base[task], cand[task]
+        b, c = load_samples(Path(baseline), base_record, task), load_samples(Path(candidate), cand_record, task)
         if set(b) != set(c):
             raise CannotCompare(f"task {task}: the runs scored different items ({len(set(b) ^ set(c))} differ)", candidate)
         ids = sorted(b)
