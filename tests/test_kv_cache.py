@@ -98,9 +98,28 @@ def test_layer_by_layer_equals_whole_model(synthetic, tmp_path, family):
         assert 0 < peak < decoded / 2  # one decoder layer's weights at a time, not the model
 
 
-def test_fp8_emulation_on_smollm2(smollm2_bf16, tmp_path):
-    """Calibrated scales change SmolLM2's logits less than scale 1.0, and far less on a model whose
-    keys exceed FP8's range (where 1.0 saturates)."""
+def test_fp8_emulation_error_by_value_range():
+    """What an FP8 (e4m3) cache does to a value x at scale s, by range of x / s: within 2^-4 of x in
+    the normal range [2^-6, 448] (3 mantissa bits), within half a subnormal step (2^-10 s) below it,
+    and saturated at 448 s above it. (Whether calibrated scales beat scale 1.0 on a model whose K/V
+    already sit inside FP8's range is not a property: measured both ways on SmolLM2, 0.285 vs 0.292 and
+    0.329 vs 0.300 mean |logit change|, so no test asserts it.)"""
+    from quantkit.kv_cache import fake_fp8
+
+    s = 0.37
+    magnitudes = torch.logspace(-14, 10, 4001, base=2.0, dtype=torch.float32)
+    x = torch.cat([magnitudes, -magnitudes]) * s
+    y = fake_fp8(x, s)
+    r = (x / s).abs()
+    normal, sub, over = (r >= 2**-6) & (r <= 448), r < 2**-6, r > 448
+    assert bool(((y - x).abs() <= 2**-4 * x.abs() * (1 + 1e-6))[normal].all())
+    assert bool(((y - x).abs() <= 2**-10 * s * (1 + 1e-6))[sub].all())
+    assert bool((y[over] == torch.sign(x[over]) * 448 * torch.tensor(s, dtype=torch.float32)).all())
+
+
+def test_fp8_emulation_where_scale_one_saturates(smollm2_bf16, tmp_path):
+    """On a model whose keys exceed FP8's range, scale 1.0 saturates them and calibrated scales do not:
+    the calibrated emulation changes the logits far less."""
     ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
 
     def logit_error(path, scales):
@@ -110,12 +129,6 @@ def test_fp8_emulation_on_smollm2(smollm2_bf16, tmp_path):
             with kv_hooks(model, "gqa", scales=scales):
                 emu = model(ids).logits.float()
         return float((emu - ref).abs().mean())
-
-    calibrated = calibrate_kv(smollm2_bf16, out=tmp_path / "kv", samples=8, seq_len=256)
-    ones = {i: (1.0, 1.0) for i in calibrated.scales}
-    err_cal, err_one = logit_error(smollm2_bf16, calibrated.scales), logit_error(smollm2_bf16, ones)
-    print(f"SmolLM2 mean |logit change|: calibrated {err_cal:.4f}, scale 1.0 {err_one:.4f}")
-    assert err_cal < err_one
 
     outlier = tmp_path / "outlier"
     shutil.copytree(smollm2_bf16, outlier)
@@ -127,6 +140,7 @@ def test_fp8_emulation_on_smollm2(smollm2_bf16, tmp_path):
     write_safetensors(shard, tensors)
     planted = calibrate_kv(outlier, out=tmp_path / "outlier-kv", samples=8, seq_len=256)
     assert planted.scales[0][0] > 1.0  # keys beyond 448: scale 1.0 would saturate them
+    ones = {i: (1.0, 1.0) for i in planted.scales}
     err_cal, err_one = logit_error(outlier, planted.scales), logit_error(outlier, ones)
     print(f"planted outlier: calibrated {err_cal:.4f}, scale 1.0 {err_one:.4f}")
     assert err_cal < err_one / 2
