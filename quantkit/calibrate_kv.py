@@ -20,6 +20,7 @@ import torch
 from quantkit.checkpoint import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.families import detect_family
+from quantkit.fp8_block import FP8_MAX
 from quantkit.kv_cache import KVObserver, kv_hooks
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "calibration.jsonl"
@@ -267,7 +268,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     json_path = dst / "kv_scales.json"
     record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
-              "fp8_max": 448.0, "engine_note": "SGLang/vLLM load these; DSA/NSA sparse-attention backends ignore them",
+              "fp8_max": FP8_MAX, "engine_note": "SGLang/vLLM load these; DSA/NSA sparse-attention backends ignore them",
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-FP8_MAX = 448.0
+from quantkit.fp8_block import FP8_MAX
+
 _ATTN_NAME = "quantkit_fp8_kv"
 
 
