@@ -48,6 +48,7 @@ def _main_options(
     """Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs."""
     if debug:
         _debug["on"] = True
+    _quiet_libraries()
 
 
 def command(name: str):
@@ -302,7 +303,6 @@ def eval_cmd(
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
     from quantkit.evaluation import evaluate
 
-    _quiet_libraries()
     names = [t.strip() for item in tasks or [] for t in item.split(",") if t.strip()] or None
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
@@ -386,7 +386,6 @@ def release_cmd(
     """plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish."""
     from quantkit.release import release
 
-    _quiet_libraries()
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
         result = release(config, resume=resume, on_stage=None if json_out else _print_stage, on_progress=on_progress,
                          on_launch=_print_launch)
@@ -412,7 +411,6 @@ def demo_cmd(
         out.print(f"[bold]{name:>4}[/] ", end="")
         _print_stage(record)
 
-    _quiet_libraries()
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
         result = demo(workdir, arc_items, gsm8k_items, source_model=source_model,
                       on_stage=None if json_out else stage, on_progress=on_progress)
