@@ -16,13 +16,13 @@ import pytest
 from quantkit.evaluation import evaluate
 from quantkit.gate import CannotCompare, gate
 from quantkit.serving import (
-
-pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
     EngineError,
     LaunchSpec,
     SGLangServer,
     free_port,
 )
+
+pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 STANDIN = Path(__file__).resolve().parent / "standin" / "sglang_standin.py"
