@@ -55,7 +55,7 @@ def build_source(folder: Path, gb: float, shard_gb: float, tiny: bool = False) -
     """Routed experts only (what dominates a real checkpoint), plus a router and norms per layer."""
     import torch
 
-    from quantkit.shard_writer import write_safetensors
+    from quantkit.checkpoint.writer import write_safetensors
 
     if folder.is_dir() and (folder / "config.json").is_file():
         return json.loads((folder / "bench.json").read_text())
@@ -148,7 +148,7 @@ PEER_SCRIPT = textwrap.dedent(
     t0 = time.perf_counter()
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
     from llmcompressor import model_free_ptq
-    from quantkit.recipe import load_recipe
+    from quantkit.formats.recipe import load_recipe
     t1 = time.perf_counter()
     src, dst, device, workers = sys.argv[1:5]
     model_free_ptq(src, dst, config=load_recipe("glm5-int4-experts-g32").config, device=device,

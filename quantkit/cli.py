@@ -127,7 +127,7 @@ def inspect_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """What a checkpoint holds, from config and safetensors headers only (no tensor data read)."""
-    from quantkit.inspection import inspect_checkpoint
+    from quantkit.checkpoint.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(path)
     if json_out:
@@ -196,7 +196,7 @@ def calibrate_kv_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """FP8 (e4m3) KV-cache scales: absmax / 448 of what the engine caches (MLA: the latent), layer by layer."""
-    from quantkit.calibrate_kv import calibrate_kv
+    from quantkit.kv.calibrate import calibrate_kv
 
     result = calibrate_kv(model, out=out_dir, in_place=in_place, data=data, text_field=text_field, samples=samples,
                           seq_len=seq_len, batch_size=batch_size, device=device)
@@ -334,8 +334,8 @@ def gate_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
-    from quantkit.gate import gate
-    from quantkit.reporting import markdown
+    from quantkit.release.gate import gate
+    from quantkit.release.report import markdown
 
     result = gate(baseline, candidate, suite=suite, margin=margin, report_dir=report)
     if json_out:
@@ -358,7 +358,7 @@ def publish_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Upload DST with its model card, only if the gate passed on exactly these files."""
-    from quantkit.publish import publish
+    from quantkit.release.publish import publish
 
     result = publish(dst, repo, gate=gate_verdict, private=private, revision=revision, dry_run=dry_run,
                      force_ungated=force_ungated, base_model=base_model)
@@ -405,7 +405,7 @@ def demo_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Two gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 and FP8."""
-    from quantkit.demo import demo
+    from quantkit.examples.demo import demo
 
     def stage(name, record):
         out.print(f"[bold]{name:>4}[/] ", end="")
@@ -444,7 +444,7 @@ def synth_cmd(
     layers: Annotated[Optional[int], typer.Option(min=1, max=64, help="Decoder layers.")] = None,
 ) -> None:
     """Build a small synthetic checkpoint with a real release's on-disk layout (tests, demos)."""
-    from quantkit.synthetic import build_synthetic
+    from quantkit.examples.synthetic import build_synthetic
 
     path = build_synthetic(family, out_dir, seed=seed, fp8=False if bf16 else None, experts=experts, layers=layers)
     out.print(f"wrote {path}")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from quantkit import fp8_block, int4
-from quantkit.checkpoint import Checkpoint, TensorReader, open_checkpoint
+from quantkit.formats import fp8_block, int4
+from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.families import is_mtp
-from quantkit.model_config import fp8_block_size, model_dtype_code
+from quantkit.checkpoint.families import is_mtp
+from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.synthetic import build_synthetic
+from quantkit.examples.synthetic import build_synthetic
 
 RECIPE_FOR = {
     "glm_moe_dsa": "glm5-int4-experts-g32",
@@ -27,7 +27,7 @@ def synthetic(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_bf16(tmp_path_factory):
     """The real SmolLM2-135M-Instruct as a BF16 safetensors checkpoint (built once per session)."""
-    from quantkit.real_models import smollm2_checkpoint
+    from quantkit.examples.smollm2 import smollm2_checkpoint
 
     return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2") / "bf16")
 

@@ -13,8 +13,8 @@ from conftest import shard_of, tree_bytes
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.checkpoint import read_shard_header
-from quantkit.shard_writer import write_safetensors
+from quantkit.checkpoint.reader import read_shard_header
+from quantkit.checkpoint.writer import write_safetensors
 
 runner = CliRunner()
 
@@ -215,7 +215,7 @@ def test_disk_full_while_writing(glm_copy, tmp_path, monkeypatch):
     mounted = _tmpfs(mnt, "3m")  # the output needs ~6.5 MB
     if not mounted:
         # No permission to mount here: make every write past 3 MB fail the way a full disk does.
-        import quantkit.shard_writer as sw
+        import quantkit.checkpoint.writer as sw
 
         real_emit = sw.ShardWriter._emit
         budget = {"left": 3 << 20}
@@ -358,7 +358,7 @@ def test_options_out_of_range_are_usage_errors(glm_copy, tmp_path):
 
 
 def test_disk_full_while_copying_side_files(glm_copy, tmp_path, monkeypatch):
-    import quantkit.shard_writer as shard_writer
+    import quantkit.checkpoint.writer as shard_writer
 
     real = shard_writer.open_exclusive
 

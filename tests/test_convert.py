@@ -9,12 +9,12 @@ from conftest import RECIPE_FOR, tree_bytes
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from quantkit.checkpoint import open_checkpoint
+from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
-from quantkit.describe import config_mismatches
+from quantkit.formats.describe import config_mismatches
 from quantkit.errors import QuantkitError
-from quantkit.inspection import inspect_checkpoint
-from quantkit.int4 import fake_quantize_int4
+from quantkit.checkpoint.inspection import inspect_checkpoint
+from quantkit.formats.int4 import fake_quantize_int4
 from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, model_config
 
 EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
@@ -61,7 +61,7 @@ def test_loader_refuses_a_checkpoint_whose_experts_would_be_dropped(synthetic, t
     shard = next(f for f in sorted(out.glob("*.safetensors")) if any(".experts.0." in k for k in load_file(f)))
     tensors = load_file(shard)
     renamed = {k.replace(".experts.0.", ".experts_unused.0."): v for k, v in tensors.items()}
-    from quantkit.shard_writer import write_safetensors
+    from quantkit.checkpoint.writer import write_safetensors
 
     write_safetensors(shard, renamed)
     index = json.loads((out / "model.safetensors.index.json").read_text())

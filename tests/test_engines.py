@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from quantkit.evaluation import evaluate
-from quantkit.gate import CannotCompare, gate
-from quantkit.serving import (
+from quantkit.release.gate import CannotCompare, gate
+from quantkit.evaluation.sglang import (
     EngineError,
     LaunchSpec,
     SGLangServer,

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.calibrate_kv import calibrate_kv
+from quantkit.kv.calibrate import calibrate_kv
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
-from quantkit.gate import CannotCompare, gate
+from quantkit.release.gate import CannotCompare, gate
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-from quantkit import fp8_block
+from quantkit.formats import fp8_block
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (160, 256), (300, 200)])  # full and partial edge blocks

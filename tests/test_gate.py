@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.gate import CannotCompare, gate, paired_interval
+from quantkit.release.gate import CannotCompare, gate, paired_interval
 
 
 def write_run(folder, outcomes: dict[str, list[int]], model="m", engine="hf", logprobs=None):
@@ -171,9 +171,10 @@ def test_run_records_and_suites_are_validated(tmp_path):
     s = suite(tmp_path, ["arc_easy"])
     base = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
     cand = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]})
-    meta = json.loads((cand / "run.json").read_text())
-    meta["tasks"]["arc_easy"]["items"] = 4  # the task's data has 4 items: a run that scored 3 is incomplete
-    (cand / "run.json").write_text(json.dumps(meta))
+    for run in (base, cand):  # the task's data has 4 items: runs that scored 3 are incomplete
+        meta = json.loads((run / "run.json").read_text())
+        meta["tasks"]["arc_easy"]["items"] = 4
+        (run / "run.json").write_text(json.dumps(meta))
     with pytest.raises(CannotCompare, match="not the task's first 4"):
         gate(base, cand, s)
     (cand / "run.json").write_text("{not json")
@@ -188,5 +189,6 @@ def test_run_records_and_suites_are_validated(tmp_path):
         r = CliRunner().invoke(app, ["gate", str(base), str(base), "--suite", str(bad)])
         assert r.exit_code == 2 and message in r.output and "bad-suite.yaml" in r.output, r.output
     (tmp_path / "report-file").write_text("")
-    r = CliRunner().invoke(app, ["gate", str(base), str(base), "--suite", str(s), "--report", str(tmp_path / "report-file")])
+    good = write_run(tmp_path / "c", {"arc_easy": [1, 0, 1]})
+    r = CliRunner().invoke(app, ["gate", str(good), str(good), "--suite", str(s), "--report", str(tmp_path / "report-file")])
     assert r.exit_code == 2 and "report folder is a file" in r.output

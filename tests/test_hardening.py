@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
-from quantkit.shard_writer import folder_lock, write_safetensors
+from quantkit.checkpoint.writer import folder_lock, write_safetensors
 
 runner = CliRunner()
 EXPERT = "model.layers.2.mlp.experts.3.up_proj"
@@ -111,7 +111,7 @@ def test_release_resume_reruns_what_an_edited_recipe_or_suite_changes(synthetic,
 
 
 def test_resume_over_a_finished_output_keeps_its_kv_scales(smollm2_bf16, tmp_path):
-    from quantkit.calibrate_kv import calibrate_kv
+    from quantkit.kv.calibrate import calibrate_kv
 
     dst = tmp_path / "int4"
     convert(smollm2_bf16, dst, "dense-mlp-w4a16-g32", device="cpu")
@@ -362,7 +362,7 @@ def test_force_never_clears_a_folder_of_other_files(synthetic, tmp_path):
 
 
 def test_an_unexpected_failure_is_one_line_asking_for_a_report(synthetic, monkeypatch):
-    from quantkit import inspection
+    from quantkit.checkpoint import inspection
 
     def broken(path):
         raise RuntimeError("something quantkit did not foresee")
@@ -397,7 +397,7 @@ def test_a_log_gets_whole_file_names(synthetic, tmp_path):
 
 
 def test_concurrent_writers_never_share_a_temporary_file(tmp_path):
-    from quantkit.shard_writer import write_bytes_atomic
+    from quantkit.checkpoint.writer import write_bytes_atomic
 
     target = tmp_path / "config.json"
     payloads = [(str(i) * 100_000).encode() for i in range(8)]

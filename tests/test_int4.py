@@ -7,7 +7,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-from quantkit import int4
+from quantkit.formats import int4
 
 
 def args(group_size: int) -> QuantizationArgs:

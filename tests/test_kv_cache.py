@@ -10,13 +10,13 @@ from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.calibrate_kv import calibrate_kv, layerwise_observe, whole_model_observe
-from quantkit.checkpoint import open_checkpoint
+from quantkit.kv.calibrate import calibrate_kv, layerwise_observe, whole_model_observe
+from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
-from quantkit.kv_cache import KVObserver, fake_fp8, kv_hooks, kv_scales_of
+from quantkit.kv.hooks import KVObserver, fake_fp8, kv_hooks, kv_scales_of
 from quantkit.modeling import dequantized_state_dict, load_model
-from quantkit.shard_writer import write_safetensors
+from quantkit.checkpoint.writer import write_safetensors
 
 
 def batches(vocab=512, n=3, seq=24, seed=0):
@@ -104,7 +104,7 @@ def test_fp8_emulation_error_by_value_range():
     and saturated at 448 s above it. (Whether calibrated scales beat scale 1.0 on a model whose K/V
     already sit inside FP8's range is not a property: measured both ways on SmolLM2, 0.285 vs 0.292 and
     0.329 vs 0.300 mean |logit change|, so no test asserts it.)"""
-    from quantkit.kv_cache import fake_fp8
+    from quantkit.kv.hooks import fake_fp8
 
     s = 0.37
     magnitudes = torch.logspace(-14, 10, 4001, base=2.0, dtype=torch.float32)
@@ -164,7 +164,7 @@ def test_output_layout_and_cli(smollm2_bf16, tmp_path):
 def test_in_place_updates_the_manifest(synthetic, tmp_path):
     out = tmp_path / "int4"
     convert(synthetic["llama"], out, "dense-w4a16-g128", device="cpu")
-    from quantkit.calibrate_kv import write_scales
+    from quantkit.kv.calibrate import write_scales
 
     write_scales(open_checkpoint(out), out, {0: (0.01, 0.02), 1: (0.03, 0.04)}, "gqa", copy=False)
     from quantkit.verify import verify

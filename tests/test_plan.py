@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.families import detect_family
+from quantkit.checkpoint.families import detect_family
 from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu
 from quantkit.packaged import recipes_dir
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.evaluation import model_checksums
-from quantkit.gate import gate
-from quantkit.inspection import inspect_checkpoint
-from quantkit.publish import PublishRefused, publish
+from quantkit.release.gate import gate
+from quantkit.checkpoint.inspection import inspect_checkpoint
+from quantkit.release.publish import PublishRefused, publish
 
 SECRET = "hf_quantkitTESTtoken0123456789abcdef"
 

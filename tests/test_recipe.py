@@ -4,7 +4,7 @@ import pytest
 
 from quantkit.errors import QuantkitError
 from quantkit.packaged import recipes_dir
-from quantkit.recipe import load_recipe
+from quantkit.formats.recipe import load_recipe
 
 BUILT_IN = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from quantkit.errors import QuantkitError
-from quantkit.real_models import block_fp8_release
+from quantkit.examples.smollm2 import block_fp8_release
 from quantkit.release import STAGES, ReleaseStopped, release
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
@@ -112,7 +112,7 @@ def test_bad_configs_are_named(tmp_path):
 
 
 def test_the_shipped_example_config_is_valid():
-    from quantkit.gate import load_suite
+    from quantkit.release.gate import load_suite
     from quantkit.release import load_config
 
     root = Path(__file__).resolve().parents[1] / "eval"

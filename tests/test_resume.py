@@ -13,7 +13,7 @@ from conftest import tree_bytes
 
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
-from quantkit.synthetic import build_synthetic
+from quantkit.examples.synthetic import build_synthetic
 
 ARGS = ["-r", "glm5-int4-experts-g32", "--max-shard-size", "1MB", "--workers", "1", "--device", "cpu", "--json"]
 

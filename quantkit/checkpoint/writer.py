@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.checkpoint import DTYPES, TORCH_TO_CODE
+from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE
 from quantkit.errors import QuantkitError
 
 

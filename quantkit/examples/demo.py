@@ -24,7 +24,7 @@ from pathlib import Path
 from quantkit.packaged import suite_path
 from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
-DATA = Path(__file__).resolve().parent / "data" / "evaldata"
+DATA = Path(__file__).resolve().parent.parent / "data" / "evaldata"
 SUITE = "small-model"  # built-in (quantkit.suites)
 CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "fp8": "dense-fp8-block"}
 
@@ -61,7 +61,7 @@ def demo(
     """Run the demo in WORKDIR (re-running resumes); ``source_model``: a local BF16 SmolLM2 instead of fetching it."""
     import yaml
 
-    from quantkit.real_models import block_fp8_release, smollm2_checkpoint
+    from quantkit.examples.smollm2 import block_fp8_release, smollm2_checkpoint
 
     started = time.perf_counter()
     work = Path(workdir).resolve()

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import QuantkitError
-from quantkit.shard_writer import write_bytes_atomic
+from quantkit.checkpoint.writer import write_bytes_atomic
 
 MANIFEST_NAME = "quantkit-manifest.json"
 FORMAT_VERSION = 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.model_config import is_moe
+from quantkit.checkpoint.config import is_moe
 
 COMPONENTS = (
     "routed_experts",

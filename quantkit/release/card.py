@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quantkit
-from quantkit.model_config import is_moe
-from quantkit.run_dir import read_run_record
+from quantkit.checkpoint.config import is_moe
+from quantkit.evaluation.run_dir import read_run_record
 
 if TYPE_CHECKING:
-    from quantkit.gate import GateReport
+    from quantkit.release.gate import GateReport
 
 # task -> (hub dataset, name, config, metric)
 DATASETS = {
@@ -67,8 +67,8 @@ def serving_tp(total_bytes: int) -> int:
 def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str | None = None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
-    from quantkit.inspection import inspect_checkpoint
-    from quantkit.manifest import load_manifest
+    from quantkit.checkpoint.inspection import inspect_checkpoint
+    from quantkit.checkpoint.manifest import load_manifest
 
     manifest = load_manifest(dst)
     source = Path(manifest.source_path) if manifest else None

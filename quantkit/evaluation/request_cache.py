@@ -18,7 +18,7 @@ from pathlib import Path
 from lm_eval.api.model import LM, hash_args
 
 from quantkit.errors import QuantkitError
-from quantkit.lm_wrapper import DelegatingLM
+from quantkit.evaluation.lm_wrapper import DelegatingLM
 
 METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 

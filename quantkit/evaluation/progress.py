@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from lm_eval.api.model import LM
 
-from quantkit.lm_wrapper import DelegatingLM
+from quantkit.evaluation.lm_wrapper import DelegatingLM
 
 REQUESTS_PER_SLICE = 256
 

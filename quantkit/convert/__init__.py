@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from quantkit import __version__
-from quantkit.checkpoint import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
+from quantkit.checkpoint.reader import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.families import detect_family
-from quantkit.manifest import MANIFEST_NAME, Manifest, ManifestStatus, ShardRecord, load_manifest
-from quantkit.recipe import Recipe, load_recipe
-from quantkit.shard_writer import (
+from quantkit.checkpoint.families import detect_family
+from quantkit.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestStatus, ShardRecord, load_manifest
+from quantkit.formats.recipe import Recipe, load_recipe
+from quantkit.checkpoint.writer import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
     ShardWriter,
@@ -39,7 +39,7 @@ from quantkit.shard_writer import (
     write_bytes_atomic,
     write_error,
 )
-from quantkit.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
+from quantkit.convert.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
@@ -418,7 +418,7 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
     """Compute one action's output tensors (on CPU) from its source tensors."""
     import torch
 
-    from quantkit import fp8_block, int4
+    from quantkit.formats import fp8_block, int4
 
     def timed(stage, fn, *args):
         t0 = time.perf_counter()

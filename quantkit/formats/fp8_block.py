@@ -54,7 +54,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
 def release_encoding(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """One tensor as a block-FP8 release stores it: FP8 + ``weight_scale_inv`` where such releases
     quantize (families.release_stores_fp8), unchanged elsewhere."""
-    from quantkit.families import release_stores_fp8
+    from quantkit.checkpoint.families import release_stores_fp8
 
     if not release_stores_fp8(name, tensor.ndim):
         return {name: tensor}

@@ -19,12 +19,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from quantkit.checkpoint import Checkpoint, TensorReader, open_checkpoint
-from quantkit.describe import config_mismatches
-from quantkit.engine_rules import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
+from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
+from quantkit.formats.describe import config_mismatches
+from quantkit.verify.engine_rules import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
 from quantkit.errors import QuantkitError
-from quantkit.manifest import load_manifest
-from quantkit.model_config import num_experts
+from quantkit.checkpoint.manifest import load_manifest
+from quantkit.checkpoint.config import num_experts
 
 # Relative error ||w' - w|| / ||w|| above which a quantized tensor is broken, not just INT4:
 # healthy symmetric INT4 RTN sits near 0.1 (g32) to 0.13 (g128) on real and Gaussian weights;
@@ -121,7 +121,7 @@ def verify(
 
 
 def _stored_modules(ckpt: Checkpoint, findings: list[Finding]) -> dict[str, _Stored]:
-    from quantkit.describe import described_by
+    from quantkit.formats.describe import described_by
 
     described = described_by(ckpt)
     out: dict[str, _Stored] = {}
@@ -241,7 +241,7 @@ def _shared_schemes(stored: dict[str, _Stored]) -> list[Finding]:
 
 
 def _integrity(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
-    from quantkit.shard_writer import sha256_file
+    from quantkit.checkpoint.writer import sha256_file
 
     manifest = load_manifest(ckpt.root)
     if manifest is None:
@@ -317,7 +317,7 @@ def _numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked:
 def _smoke(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
     import torch
 
-    from quantkit.inspection import inspect_checkpoint
+    from quantkit.checkpoint.inspection import inspect_checkpoint
     from quantkit.modeling import load_model, meta_structure_mismatches
 
     try:

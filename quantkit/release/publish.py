@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from quantkit.errors import QuantkitError
-from quantkit.shard_writer import (
+from quantkit.checkpoint.writer import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
     copy_file_atomic,
@@ -28,7 +28,7 @@ from quantkit.shard_writer import (
 )
 
 if TYPE_CHECKING:
-    from quantkit.gate import GateReport
+    from quantkit.release.gate import GateReport
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
 HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
@@ -69,7 +69,7 @@ def publish(
     :param repo: ``ORG/NAME`` on the hub, or ``file://DIR`` for a new or empty local folder.
     :param gate: the passing verdict.json whose checksums must equal every file DST ships now.
     """
-    from quantkit.model_card import model_card
+    from quantkit.release.card import model_card
 
     dst = Path(dst)
     if not (dst / "config.json").is_file():
@@ -98,7 +98,7 @@ def publish(
 
 def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -> GateReport | None:
     """The passing verdict whose checksums are every file DST ships now, or None when publishing ungated."""
-    from quantkit.gate import GateReport
+    from quantkit.release.gate import GateReport
 
     if gate is None:
         if force_ungated:
@@ -133,7 +133,7 @@ def upload_list(dst: Path) -> list[dict]:
     """Every file that ships with DST (name, bytes); a link leading out of DST, or a non-file, is refused."""
     import fnmatch
 
-    from quantkit.checkpoint import checked_file
+    from quantkit.checkpoint.reader import checked_file
 
     files = []
     root = dst.resolve()
@@ -153,7 +153,7 @@ def upload_list(dst: Path) -> list[dict]:
 def _local_target(dst: Path, repo: str) -> Path:
     """The folder a ``file://`` publish writes: new, or empty, or holding only an earlier copy of these
     files; never DST, the source it came from, or a folder inside or around either."""
-    from quantkit.manifest import load_manifest
+    from quantkit.checkpoint.manifest import load_manifest
 
     text = repo.removeprefix("file://")
     if not text.strip():

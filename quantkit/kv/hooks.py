@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantkit.fp8_block import FP8_MAX
+from quantkit.formats.fp8_block import FP8_MAX
 
 _ATTN_NAME = "quantkit_fp8_kv"
 
@@ -54,7 +54,7 @@ def kv_scales_of(path) -> dict[int, tuple[float, float]]:
     """The k_scale / v_scale tensors of a checkpoint: what an FP8 KV emulation run uses."""
     import re
 
-    from quantkit.checkpoint import TensorReader, open_checkpoint
+    from quantkit.checkpoint.reader import TensorReader, open_checkpoint
 
     ckpt = open_checkpoint(path)
     found: dict[int, dict[str, float]] = {}

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint import INDEX_NAME, TensorReader, open_checkpoint
+from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.families import detect_family
-from quantkit.fp8_block import FP8_MAX
-from quantkit.kv_cache import KVObserver, kv_hooks
+from quantkit.checkpoint.families import detect_family
+from quantkit.formats.fp8_block import FP8_MAX
+from quantkit.kv.hooks import KVObserver, kv_hooks
 
-DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "calibration.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "data" / "calibration.jsonl"
 SCALES_SHARD = "kv-scales.safetensors"
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 
@@ -223,8 +223,8 @@ def whole_model_observe(path, batches: list[torch.Tensor]) -> KVObserver:
 def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attention: str, copy: bool) -> tuple[Path, Path]:
     """k_scale / v_scale tensors beside each attention module, kv_cache_scheme in the config,
     the index and manifest updated; DST starts as a copy (hard links where possible) of the model."""
-    from quantkit.manifest import ShardRecord, load_manifest
-    from quantkit.shard_writer import write_bytes_atomic, write_safetensors
+    from quantkit.checkpoint.manifest import ShardRecord, load_manifest
+    from quantkit.checkpoint.writer import write_bytes_atomic, write_safetensors
 
     src = ckpt.root
     if copy:

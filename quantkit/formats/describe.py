@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from compressed_tensors.utils.match import match_name
 
-from quantkit.checkpoint import Checkpoint
-from quantkit.families import is_linear_weight
-from quantkit.recipe import Recipe
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.families import is_linear_weight
+from quantkit.formats.recipe import Recipe
 
 
 @dataclass(frozen=True)

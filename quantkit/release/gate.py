@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.packaged import suite_path
-from quantkit.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
+from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
 MODEL_FIELDS = ("model", "model_checksums", "created", "server")
@@ -203,7 +203,7 @@ def gate(
         allowed_differences=allowed,
     )
     if report_dir is not None:
-        from quantkit.reporting import write_gate_report
+        from quantkit.release.report import write_gate_report
 
         if Path(report_dir).exists() and not Path(report_dir).is_dir():
             raise CannotCompare("the report folder is a file", report_dir)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.request_cache import CachedLM, RequestCache
-from quantkit.run_dir import (
+from quantkit.evaluation.run_dir import (
     EngineRecord,
     RunRecord,
     SampleRecord,
@@ -39,7 +38,7 @@ from quantkit.run_dir import (
     write_samples,
     write_scores,
 )
-from quantkit.shard_writer import sha256_file
+from quantkit.checkpoint.writer import sha256_file
 
 # Zero-shot tasks over local files in the hub's schema. {data} is the data directory.
 TASKS = {
@@ -149,8 +148,8 @@ def model_checksums(path: Path) -> dict[str, str]:
     writes), so a verdict binds the config, tokenizer and code as well as the weights. Shards
     the manifest records at their recorded size take its sha256 (hours of hashing saved on a
     700 GB model); publish hashes every file again before anything ships."""
-    from quantkit.manifest import load_manifest
-    from quantkit.publish import CARD_NAME, upload_list
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.release.publish import CARD_NAME, upload_list
 
     manifest = load_manifest(path)
     recorded = manifest.shards if manifest is not None else {}
@@ -197,8 +196,9 @@ def evaluate(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from quantkit.serving import EngineError
-    from quantkit.task_progress import TaskProgress
+    from quantkit.evaluation.progress import TaskProgress
+    from quantkit.evaluation.request_cache import CachedLM, RequestCache
+    from quantkit.evaluation.sglang import EngineError
 
     started = time.perf_counter()
     if engine not in ENGINES:
@@ -213,7 +213,7 @@ def evaluate(
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     path = Path(model)
     if engine == "hf":
-        from quantkit.kv_cache import kv_scales_of
+        from quantkit.kv.hooks import kv_scales_of
 
         scales = kv_scales_of(path) if kv_cache_dtype == "fp8_e4m3" else None
         if kv_cache_dtype == "fp8_e4m3" and not scales:
@@ -250,7 +250,7 @@ def evaluate(
             lm, engine_record = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
         else:
             if engine == "sglang":
-                from quantkit.serving import (
+                from quantkit.evaluation.sglang import (
                     LaunchSpec,
                     SGLangServer,
                     engine_command,
@@ -295,7 +295,7 @@ def engine_settings(engine: str, kv_cache_dtype: str, batch_size: int, tp: int =
                     mem_fraction: float | None = None) -> dict:
     """The engine settings a run records and two compared runs must share (engine.args in run.json)."""
     if engine == "sglang":
-        from quantkit.serving import LaunchSpec
+        from quantkit.evaluation.sglang import LaunchSpec
 
         settings = LaunchSpec("", tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, mem_fraction=mem_fraction,
                               seed=SEEDS["random_seed"]).settings()
@@ -340,9 +340,9 @@ def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scal
     import transformers
     from lm_eval.models.huggingface import HFLM
 
-    from quantkit.checkpoint import open_checkpoint
-    from quantkit.families import detect_family
-    from quantkit.kv_cache import kv_hooks
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.checkpoint.families import detect_family
+    from quantkit.kv.hooks import kv_hooks
     from quantkit.modeling import load_model
 
     lm_model = load_model(path)
@@ -357,7 +357,7 @@ def _api_engine(engine: str, url: str, path: Path, batch_size: int, settings: di
     """lm-eval's completions client on a server; the server's own report of its version."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from quantkit.serving import base_url, get_json, served_model
+    from quantkit.evaluation.sglang import base_url, get_json, served_model
 
     url = base_url(url)
     served = served_model(url)
@@ -407,7 +407,7 @@ def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) ->
 
 def model_family(path: Path) -> dict:
     """What makes two checkpoints the same model up to quantization: architecture and tokenizer."""
-    from quantkit.checkpoint import open_checkpoint
+    from quantkit.checkpoint.reader import open_checkpoint
 
     config = open_checkpoint(path).config
     tokenizer = path / "tokenizer.json"

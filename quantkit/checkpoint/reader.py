@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.model_config import check_config
+from quantkit.checkpoint.config import check_config
 
 INDEX_NAME = "model.safetensors.index.json"
 # Pickle-based formats: loading one runs arbitrary code, so we never do.

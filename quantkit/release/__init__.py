@@ -23,10 +23,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quantkit.errors import QuantkitError
-from quantkit.gate import DEFAULT_SUITE
+from quantkit.release.gate import DEFAULT_SUITE
 from quantkit.packaged import recipe_path, suite_path
-from quantkit.run_dir import read_scores
-from quantkit.shard_writer import sha256_file, write_bytes_atomic
+from quantkit.evaluation.run_dir import read_scores
+from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
 
 STAGES = ("plan", "convert", "calibrate-kv", "verify", "eval-baseline", "eval-candidate", "gate", "publish")
 STATE_NAME = "release-state.json"
@@ -231,7 +231,7 @@ def release(
     def stage_calibrate():
         if config.calibrate_kv is None:
             return None
-        from quantkit.calibrate_kv import calibrate_kv
+        from quantkit.kv.calibrate import calibrate_kv
 
         k = config.calibrate_kv
         done = calibrate_kv(dst, in_place=True, data=resolve(k.data), text_field=k.text_field, samples=k.samples,
@@ -263,8 +263,8 @@ def release(
         return _scores(run_eval(dst, candidate_run, cand_kv).scores)
 
     def stage_gate():
-        from quantkit.gate import gate
-        from quantkit.reporting import markdown
+        from quantkit.release.gate import gate
+        from quantkit.release.report import markdown
 
         report = gate(baseline_run, candidate_run, suite=resolve(config.suite), margin=config.margin, report_dir=gate_dir)
         result.gate_table = markdown(report)
@@ -281,7 +281,7 @@ def release(
     result.published = repo.removeprefix("file://")
 
     def stage_publish():
-        from quantkit.publish import publish
+        from quantkit.release.publish import publish
 
         done = publish(dst, repo, gate=gate_dir / "verdict.json", private=p.private, revision=p.revision,
                        base_model=p.base_model, api=api)

@@ -124,20 +124,20 @@ def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, Sampl
 
 
 def write_samples(run_dir: Path, task: str, records: list[SampleRecord]) -> None:
-    from quantkit.shard_writer import write_bytes_atomic
+    from quantkit.checkpoint.writer import write_bytes_atomic
 
     text = "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records)
     write_bytes_atomic(run_dir / "samples" / f"{task}.jsonl", text.encode())
 
 
 def write_run_record(run_dir: Path, record: RunRecord) -> None:
-    from quantkit.shard_writer import write_bytes_atomic
+    from quantkit.checkpoint.writer import write_bytes_atomic
 
     write_bytes_atomic(run_dir / RUN_NAME, (record.model_dump_json(indent=2) + "\n").encode())
 
 
 def write_scores(run_dir: Path, scores: dict[str, TaskScore]) -> None:
-    from quantkit.shard_writer import write_bytes_atomic
+    from quantkit.checkpoint.writer import write_bytes_atomic
 
     data = {task: s.model_dump() for task, s in scores.items()}
     write_bytes_atomic(run_dir / RESULTS_NAME, (json.dumps(data, indent=2) + "\n").encode())

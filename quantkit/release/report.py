@@ -6,7 +6,7 @@ import base64
 import html
 from pathlib import Path
 
-from quantkit.shard_writer import write_bytes_atomic
+from quantkit.checkpoint.writer import write_bytes_atomic
 
 
 def forest_plot(report, path: Path) -> Path:

@@ -1,0 +1,1 @@
+"""Bytes: where a checkpoint is read and written, its manifest, families, config."""

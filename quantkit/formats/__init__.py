@@ -1,0 +1,1 @@
+"""Meaning: decoding, quantizing and packing weights; recipes and compressed-tensors configs."""
