@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from quantkit.convert import convert
-from quantkit.formats.recipe import load_recipe
 from quantkit.examples.synthetic import build_synthetic
+from quantkit.formats.recipe import load_recipe
 
 
 def load_all(folder: Path) -> dict:

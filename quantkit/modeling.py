@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from quantkit.formats import fp8_block, int4
+from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
+from quantkit.checkpoint.families import is_mtp
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.checkpoint.families import is_mtp
-from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
+from quantkit.formats.weights import decode_weight
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -28,17 +28,16 @@ def model_dtype(config: dict) -> torch.dtype:
     return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(config)])
 
 
-def decode_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One Linear's weight in the model dtype, whatever its encoding on disk: pack-quantized
-    INT4, block-FP8 (``weight_scale_inv`` of a source or ``weight_scale`` of a float-quantized
-    output), or plain float."""
+def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One Linear's weight, read and decoded (formats.weights.decode_weight) whatever its encoding on
+    disk: pack-quantized INT4, block-FP8 (``weight_scale_inv`` of a source or ``weight_scale`` of a
+    float-quantized output) in the model dtype, or a float weight as stored."""
     dtype = dtype or model_dtype(ckpt.config)
     names = ckpt.tensors
     if f"{module}.weight_packed" in names:
-        shape = tuple(int(d) for d in reader.read(f"{module}.weight_shape").tolist())
-        scale = reader.read(f"{module}.weight_scale")
-        q = int4.unpack_int4(reader.read(f"{module}.weight_packed"), shape)
-        return int4.dequantize_int4(q, scale, shape[1] // scale.shape[1]).to(dtype)
+        parts = (reader.read(f"{module}.weight_packed"), reader.read(f"{module}.weight_scale"),
+                 reader.read(f"{module}.weight_shape").tolist())
+        return decode_weight("int4_packed", parts, dtype)
     name = f"{module}.weight"
     t = reader.read(name)
     if t.dtype != torch.float8_e4m3fn:
@@ -46,7 +45,7 @@ def decode_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: to
     scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
     if scale_name is None:
         raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
-    return fp8_block.dequantize_fp8_block(t, reader.read(scale_name), fp8_block_size(ckpt.config), dtype)
+    return decode_weight("fp8_block", (t, reader.read(scale_name)), dtype, fp8_block_size(ckpt.config))
 
 
 def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -60,7 +59,7 @@ def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -
             if param in ("weight_scale_inv", "weight_scale", "weight_shape"):
                 continue
             if param in ("weight", "weight_packed"):
-                out[f"{module}.weight"] = decode_weight(ckpt, reader, module, dtype)
+                out[f"{module}.weight"] = read_weight(ckpt, reader, module, dtype)
             else:
                 out[name] = reader.read(name)
     return out

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
-from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
 
 GIB = 2**30
 # Memory the GPU reports (nvidia-smi's MiB); b200 from its 192 GB datasheet figure.
@@ -84,12 +84,12 @@ def plan(
     chart: str | os.PathLike | None = None,
     dst_hint: str = "DST",
 ) -> PlanReport:
-    from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.convert import parse_size
     from quantkit.checkpoint.inspection import tensor_params
-    from quantkit.formats.recipe import load_recipe
+    from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.checkpoint.writer import safetensors_header
+    from quantkit.convert import parse_size
     from quantkit.convert.tensor_plan import plan_conversion
+    from quantkit.formats.recipe import load_recipe
 
     if kv_dtype not in KV_BYTES:
         raise QuantkitError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}")
@@ -238,9 +238,9 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.checkpoint.reader import read_config
-    from quantkit.checkpoint.families import mtp_extra_shapes
     from quantkit.checkpoint.config import model_dtype_code
+    from quantkit.checkpoint.families import mtp_extra_shapes
+    from quantkit.checkpoint.reader import read_config
     from quantkit.modeling import model_config, unfuse_experts
 
     config = read_config(root)

@@ -12,9 +12,9 @@ import torch
 from conftest import shard_of, tree_bytes
 from typer.testing import CliRunner
 
-from quantkit.cli import app
 from quantkit.checkpoint.reader import read_shard_header
 from quantkit.checkpoint.writer import write_safetensors
+from quantkit.cli import app
 
 runner = CliRunner()
 

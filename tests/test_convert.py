@@ -9,11 +9,11 @@ from conftest import RECIPE_FOR, tree_bytes
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
-from quantkit.formats.describe import config_mismatches
 from quantkit.errors import QuantkitError
-from quantkit.checkpoint.inspection import inspect_checkpoint
+from quantkit.formats.describe import config_mismatches
 from quantkit.formats.int4 import fake_quantize_int4
 from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, model_config
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from quantkit.evaluation import evaluate
-from quantkit.release.gate import CannotCompare, gate
 from quantkit.evaluation.sglang import (
     EngineError,
     LaunchSpec,
     SGLangServer,
     free_port,
 )
+from quantkit.release.gate import CannotCompare, gate
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 

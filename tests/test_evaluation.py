@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.kv.calibrate import calibrate_kv
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
+from quantkit.kv.calibrate import calibrate_kv
 from quantkit.release.gate import CannotCompare, gate
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop

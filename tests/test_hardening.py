@@ -17,10 +17,9 @@ from conftest import shard_of, tree_bytes
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from quantkit.checkpoint.writer import folder_lock, write_safetensors
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.errors import QuantkitError
-from quantkit.checkpoint.writer import folder_lock, write_safetensors
 
 runner = CliRunner()
 EXPERT = "model.layers.2.mlp.experts.3.up_proj"

@@ -9,14 +9,14 @@ from conftest import RECIPE_FOR
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
-from quantkit.cli import app
-from quantkit.kv.calibrate import calibrate_kv, layerwise_observe, whole_model_observe
 from quantkit.checkpoint.reader import open_checkpoint
+from quantkit.checkpoint.writer import write_safetensors
+from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
+from quantkit.kv.calibrate import calibrate_kv, layerwise_observe, whole_model_observe
 from quantkit.kv.hooks import KVObserver, fake_fp8, kv_hooks, kv_scales_of
 from quantkit.modeling import dequantized_state_dict, load_model
-from quantkit.checkpoint.writer import write_safetensors
 
 
 def batches(vocab=512, n=3, seq=24, seed=0):

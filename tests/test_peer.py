@@ -14,12 +14,12 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import quantize
 from safetensors.torch import load_file
 
-from quantkit.formats import int4
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
+from quantkit.examples.synthetic import build_synthetic
+from quantkit.formats import int4
 from quantkit.formats.describe import config_mismatches
 from quantkit.formats.recipe import load_recipe
-from quantkit.examples.synthetic import build_synthetic
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 

@@ -5,11 +5,11 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from quantkit.checkpoint.families import detect_family
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.checkpoint.families import detect_family
-from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu
 from quantkit.packaged import recipes_dir
+from quantkit.plan import GIB, kv_bytes_per_token, kv_tokens, plan, weights_per_gpu
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
 

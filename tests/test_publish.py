@@ -9,11 +9,11 @@ import yaml
 from test_gate import suite, write_run
 from typer.testing import CliRunner
 
+from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.evaluation import model_checksums
 from quantkit.release.gate import gate
-from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.release.publish import PublishRefused, publish
 
 SECRET = "hf_quantkitTESTtoken0123456789abcdef"

@@ -3,8 +3,8 @@
 import pytest
 
 from quantkit.errors import QuantkitError
-from quantkit.packaged import recipes_dir
 from quantkit.formats.recipe import load_recipe
+from quantkit.packaged import recipes_dir
 
 BUILT_IN = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 

@@ -112,8 +112,8 @@ def test_bad_configs_are_named(tmp_path):
 
 
 def test_the_shipped_example_config_is_valid():
-    from quantkit.release.gate import load_suite
     from quantkit.release import load_config
+    from quantkit.release.gate import load_suite
 
     root = Path(__file__).resolve().parents[1] / "eval"
     config = load_config(root / "release-example.yaml")

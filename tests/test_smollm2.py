@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.convert import convert
-from quantkit.verify.numerics import tensor_errors
+from quantkit.modeling import dequantized_state_dict
+from quantkit.verify import tensor_error
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
@@ -38,12 +39,21 @@ def test_converted_smollm2_reloads_and_generates_sensible_text(smollm2):
     assert "paris" in answer.lower()
 
 
+def tensor_errors(source, converted):
+    """Every weight that differs between two small checkpoints, worst first: the whole-model oracle
+    (verify measures the same per tensor, streaming)."""
+    a, b = dequantized_state_dict(source), dequantized_state_dict(converted)
+    errors = [tensor_error(name, w, b[name]) for name, w in a.items()
+              if name in b and w.is_floating_point() and not torch.equal(w.float(), b[name].float())]
+    return sorted(errors, key=lambda e: -e.relative_error)
+
+
 def test_smollm2_per_tensor_error_is_that_of_healthy_int4(smollm2):
     src, dst = smollm2
     errors = tensor_errors(src, dst)
     assert len(errors) == 30 * 7  # q, k, v, o, gate, up, down of 30 layers; embeddings untouched
     worst, median = errors[0], errors[len(errors) // 2]
-    print(f"relative error: worst {worst.relative_error:.4f} ({worst.name}), median {median.relative_error:.4f}")
+    print(f"relative error: worst {worst.relative_error:.4f} ({worst.tensor}), median {median.relative_error:.4f}")
     # symmetric g32 on weights that sat on an asymmetric 4-bit grid: ~10 % is healthy INT4,
     # a wrong scale or a transposed pack gives ~100 % or more
     assert 0.01 < median.relative_error < 0.2

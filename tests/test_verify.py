@@ -9,12 +9,12 @@ from conftest import RECIPE_FOR, shard_of
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from quantkit.checkpoint.writer import write_safetensors
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.verify.engine_rules import EngineRules
 from quantkit.packaged import recipe_path
-from quantkit.checkpoint.writer import write_safetensors
 from quantkit.verify import verify
+from quantkit.verify.engine_rules import EngineRules
 
 EXPERT = "model.layers.2.mlp.experts.3.down_proj"
 

@@ -10,8 +10,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from quantkit.checkpoint.reader import Checkpoint, TensorInfo, open_checkpoint
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, is_mtp, layer_index
+from quantkit.checkpoint.reader import Checkpoint, TensorInfo, open_checkpoint
 
 _SCALE_PARAMS = ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantkit.errors import QuantkitError
 from quantkit.checkpoint.writer import write_bytes_atomic
+from quantkit.errors import QuantkitError
 
 MANIFEST_NAME = "quantkit-manifest.json"
 FORMAT_VERSION = 1

@@ -17,13 +17,17 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantkit.errors import QuantkitError
 from quantkit.checkpoint.config import check_config
+from quantkit.errors import QuantkitError
 
 INDEX_NAME = "model.safetensors.index.json"
 # Pickle-based formats: loading one runs arbitrary code, so we never do.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
+CARD_NAME = "README.md"  # the model card, which publish writes
+# Never shipped: upload state, partial files of an interrupted writer, the lock, RUN_DIRs kept beside the model.
+SHIP_IGNORE = [".cache/**", "*.partial", "*.tmp", ".*"]
 
 # safetensors dtype code -> (bytes per element, torch dtype name)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -290,6 +294,26 @@ def _header_entry(entry, path: Path, tname: str) -> tuple[str, tuple[int, ...], 
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
         raise QuantkitError(f"malformed data_offsets {offsets!r} (two non-negative integers)", path, tname)
     return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def shipped_files(folder: Path) -> list[dict]:
+    """Every file that ships with a model folder (name, bytes): what publish uploads and what a gate
+    verdict binds. A link leading out of the folder, or a non-file, is refused, naming it."""
+    import fnmatch
+
+    files = []
+    roots = [folder.resolve()]
+    for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):
+        name = path.relative_to(folder).as_posix()
+        if any(fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(path.name, pattern) for pattern in SHIP_IGNORE):
+            continue
+        checked_file(folder, name, roots)
+        size = path.stat().st_size
+        if size > HUB_FILE_LIMIT:
+            raise QuantkitError(f"{size / 1e9:.1f} GB is over the hub's 50 GB file limit; convert with a smaller "
+                                "--max-shard-size", path)
+        files.append({"name": name, "bytes": size})
+    return files
 
 
 class TensorReader:

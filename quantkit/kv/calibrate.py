@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.checkpoint.families import detect_family
 from quantkit.formats.fp8_block import FP8_MAX
 from quantkit.kv.hooks import KVObserver, kv_hooks
 
@@ -151,7 +151,7 @@ def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu") ->
     """Observe the cached KV of every decoder layer, one layer's weights in memory at a time."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.modeling import decode_weight, fuse_experts, model_config, model_dtype
+    from quantkit.modeling import fuse_experts, model_config, model_dtype, read_weight
 
     config, family = ckpt.config, detect_family(ckpt.config)
     cfg = model_config(config)
@@ -185,7 +185,7 @@ def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu") ->
                 if param in ("weight_scale_inv", "weight_scale", "weight_shape", "k_scale", "v_scale"):
                     continue
                 key = f"{module}.weight" if param in ("weight", "weight_packed") else name
-                state[key] = decode_weight(ckpt, reader, module, dtype) if param in ("weight", "weight_packed") else reader.read(name)
+                state[key] = read_weight(ckpt, reader, module, dtype) if param in ("weight", "weight_packed") else reader.read(name)
             state = {k.removeprefix(prefix): v for k, v in fuse_experts(state, config).items()}
             layer.to_empty(device=device)
             layer.load_state_dict(state, strict=True)

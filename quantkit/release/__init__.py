@@ -22,11 +22,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from quantkit.errors import QuantkitError
-from quantkit.release.gate import DEFAULT_SUITE
-from quantkit.packaged import recipe_path, suite_path
-from quantkit.evaluation.run_dir import read_scores
 from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
+from quantkit.errors import QuantkitError
+from quantkit.evaluation.run_dir import read_scores
+from quantkit.packaged import recipe_path, suite_path
+from quantkit.release.gate import DEFAULT_SUITE
 
 STAGES = ("plan", "convert", "calibrate-kv", "verify", "eval-baseline", "eval-candidate", "gate", "publish")
 STATE_NAME = "release-state.json"

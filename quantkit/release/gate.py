@@ -22,8 +22,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import CannotCompare, QuantkitError
-from quantkit.packaged import suite_path
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
+from quantkit.packaged import suite_path
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
 MODEL_FIELDS = ("model", "model_checksums", "created", "server")

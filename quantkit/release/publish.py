@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from quantkit.errors import QuantkitError
+from quantkit.checkpoint.reader import CARD_NAME, SHIP_IGNORE, shipped_files
 from quantkit.checkpoint.writer import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
@@ -26,15 +26,12 @@ from quantkit.checkpoint.writer import (
     sha256_file,
     write_bytes_atomic,
 )
+from quantkit.errors import QuantkitError
 
 if TYPE_CHECKING:
     from quantkit.release.gate import GateReport
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
-HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
-CARD_NAME = "README.md"
-# Never uploaded: upload state, partial files of an interrupted convert, RUN_DIRs kept beside the model.
-IGNORE = [".cache/**", "*.partial", "*.tmp", ".*"]
 
 
 class PublishRefused(QuantkitError):
@@ -81,7 +78,7 @@ def publish(
     verdict = check_gate(dst, gate, force_ungated)
     card = model_card(dst, repo, verdict, base_model)
     # The card as it will be written, whatever README.md DST holds now (a dry run writes nothing).
-    files = sorted([f for f in upload_list(dst) if f["name"] != CARD_NAME] + [{"name": CARD_NAME, "bytes": len(card.encode())}],
+    files = sorted([f for f in shipped_files(dst) if f["name"] != CARD_NAME] + [{"name": CARD_NAME, "bytes": len(card.encode())}],
                    key=lambda f: f["name"])
     result = PublishResult(repo, "hub", revision or "main", verdict is not None, dry_run, files, card)
     if target is not None:
@@ -118,7 +115,7 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
         failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
     recorded = verdict.candidate_checksums
-    shipped = {f["name"] for f in upload_list(dst) if f["name"] != CARD_NAME}
+    shipped = {f["name"] for f in shipped_files(dst) if f["name"] != CARD_NAME}
     for name in sorted(set(recorded) - shipped):
         raise PublishRefused(f"{name} was gated but is missing", dst / name)
     for name in sorted(shipped - set(recorded)):
@@ -127,27 +124,6 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
         if sha256_file(dst / name) != recorded[name]:
             raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", dst / name)
     return verdict
-
-
-def upload_list(dst: Path) -> list[dict]:
-    """Every file that ships with DST (name, bytes); a link leading out of DST, or a non-file, is refused."""
-    import fnmatch
-
-    from quantkit.checkpoint.reader import checked_file
-
-    files = []
-    root = dst.resolve()
-    for path in sorted(p for p in dst.rglob("*") if not p.is_dir()):
-        name = path.relative_to(dst).as_posix()
-        if any(fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(path.name, pattern) for pattern in IGNORE):
-            continue
-        checked_file(dst, name, [root])
-        size = path.stat().st_size
-        if size > HUB_FILE_LIMIT:
-            raise QuantkitError(f"{size / 1e9:.1f} GB is over the hub's 50 GB file limit; convert with a smaller "
-                                "--max-shard-size", path)
-        files.append({"name": name, "bytes": size})
-    return files
 
 
 def _local_target(dst: Path, repo: str) -> Path:
@@ -208,4 +184,4 @@ def _publish_hub(api, repo: str, dst: Path, private: bool, revision: str | None)
         api.create_branch(repo, branch=revision, repo_type="model", exist_ok=True)
     # Resumable: its state lives in DST/.cache/huggingface, so a re-run uploads only what is missing.
     api.upload_large_folder(repo_id=repo, folder_path=str(dst), repo_type="model", revision=revision,
-                            private=private, ignore_patterns=IGNORE)
+                            private=private, ignore_patterns=SHIP_IGNORE)

@@ -19,12 +19,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from quantkit.checkpoint.config import num_experts
+from quantkit.checkpoint.manifest import load_manifest
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
+from quantkit.errors import QuantkitError
 from quantkit.formats.describe import config_mismatches
 from quantkit.verify.engine_rules import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
-from quantkit.errors import QuantkitError
-from quantkit.checkpoint.manifest import load_manifest
-from quantkit.checkpoint.config import num_experts
 
 # Relative error ||w' - w|| / ||w|| above which a quantized tensor is broken, not just INT4:
 # healthy symmetric INT4 RTN sits near 0.1 (g32) to 0.13 (g128) on real and Gaussian weights;
@@ -47,8 +47,16 @@ class Finding:
 @dataclass(frozen=True)
 class TensorError:
     tensor: str
-    relative_error: float
-    snr_db: float
+    relative_error: float  # ||w' - w|| / ||w||
+    snr_db: float  # 20 log10(||w|| / ||w' - w||)
+
+
+def tensor_error(tensor: str, source, converted) -> TensorError:
+    """How far a converted weight is from its source (both decoded): the one error measure of quantkit."""
+    noise, signal = (converted.float() - source.float()).norm().item(), source.float().norm().item()
+    rel = noise / signal if signal else math.inf
+    snr = 20 * math.log10(signal / noise) if signal and noise else math.inf
+    return TensorError(tensor, rel, snr)
 
 
 @dataclass
@@ -277,7 +285,7 @@ def _same_modules(src: Checkpoint, dst: Checkpoint) -> list[Finding]:
 def _numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked: dict[str, int]) -> list[TensorError]:
     import torch
 
-    from quantkit.modeling import decode_weight
+    from quantkit.modeling import read_weight
 
     errors: list[TensorError] = []
     src_modules = {n.rpartition(".")[0] for n in src.tensors if n.endswith((".weight", ".weight_packed"))}
@@ -285,7 +293,7 @@ def _numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked:
         for module in sorted(src_modules):
             if f"{module}.weight" not in dst.tensors and f"{module}.weight_packed" not in dst.tensors:
                 continue
-            a, b = decode_weight(src, rs, module), decode_weight(dst, rd, module)
+            a, b = read_weight(src, rs, module), read_weight(dst, rd, module)
             name = f"{module}.weight_packed" if f"{module}.weight_packed" in dst.tensors else f"{module}.weight"
             file = dst.tensors[name].file
             if a.shape != b.shape:
@@ -301,10 +309,9 @@ def _numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked:
             source_weight = src.tensors.get(f"{module}.weight")
             newly_fp8 = dst.tensors[name].dtype.startswith("F8") and not (source_weight and source_weight.dtype.startswith("F8"))
             quantized = name.endswith("weight_packed") or newly_fp8
-            noise, signal = (b - a).norm().item(), a.norm().item()
-            rel = noise / signal if signal else math.inf
-            snr = 20 * math.log10(signal / noise) if signal and noise else math.inf
-            errors.append(TensorError(name, rel, snr))
+            error = tensor_error(name, a, b)
+            rel, snr = error.relative_error, error.snr_db
+            errors.append(error)
             if not quantized:
                 findings.append(Finding("numbers", "tensors no group targets equal the (dequantized) source",
                                         f"differs: relative error {rel:.3g}", name, file))
