@@ -37,7 +37,7 @@ from quantkit.checkpoint.writer import (
     write_bytes_atomic,
     write_error,
 )
-from quantkit.convert.tensor_plan import Action, ConversionPlan, OutputShard, plan_conversion
+from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan, OutputShard, plan_conversion
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
 
@@ -163,7 +163,7 @@ def convert(
     groups: dict[str, int] = {}
     for shard in plan.shards:
         for a in shard.actions:
-            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+            kinds[a.kind.value] = kinds.get(a.kind.value, 0) + 1
             if a.group is not None:
                 groups[a.group] = groups.get(a.group, 0) + 1
     return ConvertResult(
@@ -472,25 +472,25 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         return checked(timed("decode", decode_weight, action.encoding, parts, out_dtype, plan.block))
 
     weight_name = f"{m}.weight"
-    if kind in ("copy", "keep_float"):
+    if kind in (ActionKind.COPY, ActionKind.KEEP_FLOAT):
         (name,) = action.sources
         return {name: finite(src[name], name)}
-    if kind == "int4_keep":
+    if kind == ActionKind.INT4_KEEP:
         finite(src[action.sources[1]], action.sources[1])
         return {name: src[name] for name in action.sources}
-    if kind == "fp8_keep":
+    if kind == ActionKind.FP8_KEEP:
         w_name, s_name = action.sources
         return {
             weight_name: fp8_finite(src[w_name], w_name),
             f"{m}.weight_scale": finite(src[s_name], s_name).to(torch.float32),
         }
     w = decode()
-    if kind in ("dequantize", "int4_dequant"):
+    if kind in (ActionKind.DEQUANTIZE, ActionKind.INT4_DEQUANT):
         return {weight_name: w.cpu()}
-    if kind == "fp8_quantize":
+    if kind == ActionKind.FP8_QUANTIZE:
         q, s = timed("quantize", fp8_block.quantize_fp8_block, w, plan.block)
         return {weight_name: q.cpu(), f"{m}.weight_scale": s.cpu()}
-    if kind in ("int4", "int4_requant"):
+    if kind in (ActionKind.INT4, ActionKind.INT4_REQUANT):
         q, scale = timed("quantize", int4.quantize_int4, w, action.group_size)
         packed = timed("pack", int4.pack_int4, q)
         return {

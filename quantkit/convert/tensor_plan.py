@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 from compressed_tensors.quantization import QuantizationScheme
 
@@ -35,23 +36,28 @@ class OutputTensor:
         return math.prod(self.shape) * DTYPES[self.dtype][0]
 
 
+class ActionKind(str, Enum):
+    """What one action does to its source tensors."""
+
+    COPY = "copy"  # a tensor that is not a quantizable weight (norms, biases, router bias)
+    KEEP_FLOAT = "keep_float"  # a float weight no group targets, written as it is
+    DEQUANTIZE = "dequantize"  # a block-FP8 weight no group targets -> the model dtype
+    INT4 = "int4"  # a float or block-FP8 weight -> INT4 pack-quantized
+    INT4_KEEP = "int4_keep"  # a compressed-tensors INT4 source whose scheme equals the target's: bytes pass
+    INT4_REQUANT = "int4_requant"  # a compressed-tensors INT4 source re-quantized to a different INT4 scheme
+    INT4_DEQUANT = "int4_dequant"  # a compressed-tensors INT4 source no group targets -> the model dtype
+    FP8_KEEP = "fp8_keep"  # a block-FP8 weight kept block-FP8 (scale renamed weight_scale)
+    FP8_QUANTIZE = "fp8_quantize"  # a float weight targeted by a block-FP8 group
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Action:
-    """One unit of conversion: a Linear's weight (with its scales), or one tensor copied as is.
+    """One unit of conversion: a Linear's weight (with its scales), or one tensor copied as is."""
 
-    kind:
-      copy           a tensor that is not a quantizable weight (norms, biases, router bias)
-      keep_float     a float weight no group targets, written as it is
-      dequantize     a block-FP8 weight no group targets -> the model dtype
-      int4           a float or block-FP8 weight -> INT4 pack-quantized
-      int4_keep      a compressed-tensors INT4 source whose scheme equals the target's: bytes pass
-      int4_requant   a compressed-tensors INT4 source re-quantized to a different INT4 scheme
-      int4_dequant   a compressed-tensors INT4 source no group targets -> the model dtype
-      fp8_keep       a block-FP8 weight kept block-FP8 (scale renamed weight_scale)
-      fp8_quantize   a float weight targeted by a block-FP8 group
-    """
-
-    kind: str
+    kind: ActionKind
     module: str
     sources: tuple[str, ...]
     outputs: tuple[OutputTensor, ...]
@@ -125,7 +131,7 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     for name, info in tensors.items():
         if name not in claimed:
             actions.append(
-                Action("copy", name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype, info.shape),), "other")
+                Action(ActionKind.COPY, name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype, info.shape),), "other")
             )
 
     # Source order: by file, then position in it, so reads stay sequential.
@@ -193,7 +199,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             raise QuantkitError(f"weight_scale_inv beside a {weight.dtype} weight", where(scale_inv), scale_inv.name)
         encoding, sources = "float", (weight.name,)
     else:
-        return Action("copy", module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
+        return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
 
     matches = recipe.groups_for(module, is_linear_weight(weight.name, len(weight.shape)))
     if len(matches) > 1:
@@ -202,14 +208,14 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
     match = matches[0] if matches else None
     if match is None:
         out_dtype = dtype if encoding == "fp8_block" else weight.dtype
-        kind = "dequantize" if encoding == "fp8_block" else "keep_float"
+        kind = ActionKind.DEQUANTIZE if encoding == "fp8_block" else ActionKind.KEEP_FLOAT
         return Action(kind, module, sources, (OutputTensor(weight.name, out_dtype, weight.shape),), encoding)
 
     group, scheme = match
     _check_linear(weight, ckpt)
     if _is_int4_group(scheme):
         gs = _group_size(scheme, weight, ckpt, recipe)
-        return Action("int4", module, sources, _int4_outputs(module, weight.shape, gs, dtype), encoding, group, gs)
+        return Action(ActionKind.INT4, module, sources, _int4_outputs(module, weight.shape, gs, dtype), encoding, group, gs)
     if _is_fp8_block(scheme):
         if tuple(scheme.weights.block_structure) != tuple(block):
             raise QuantkitError(
@@ -222,7 +228,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             OutputTensor(weight.name, "F8_E4M3", weight.shape),
             OutputTensor(f"{module}.weight_scale", "F32", (rows, cols)),
         )
-        kind = "fp8_keep" if encoding == "fp8_block" else "fp8_quantize"
+        kind = ActionKind.FP8_KEEP if encoding == "fp8_block" else ActionKind.FP8_QUANTIZE
         return Action(kind, module, sources, outputs, encoding, group)
     raise QuantkitError(
         f"recipe group {group}: only INT4 symmetric group/channel and FP8 block schemes are supported",
@@ -253,8 +259,7 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     match = recipe.scheme_for(module, True)
     weight_name = f"{module}.weight"
     if match is None:
-        return Action(
-            "int4_dequant", module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),), "int4_packed",
+        return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),), "int4_packed",
             source_group_size=src_gs,
         )
     group, scheme = match
@@ -265,13 +270,12 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
             OutputTensor(params[p].name, params[p].dtype, params[p].shape)
             for p in ("weight_packed", "weight_scale", "weight_shape")
         )
-        return Action("int4_keep", module, sources, outputs, "int4_packed", group, src_gs, src_gs)
+        return Action(ActionKind.INT4_KEEP, module, sources, outputs, "int4_packed", group, src_gs, src_gs)
     gs = scheme.weights.group_size or out_shape[1]
     problem = int4.check_group_size(out_shape[1], gs)
     if problem:
         raise QuantkitError(problem, path, packed.name)
-    return Action(
-        "int4_requant", module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
+    return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
     )
 
 
