@@ -372,3 +372,19 @@ def test_disk_full_while_copying_side_files(glm_copy, tmp_path, monkeypatch):
     dst = tmp_path / "dst"
     r = quantkit(*convert_args(glm_copy, dst))
     assert_clean_failure(r, glm_copy, before, "disk full", dst=dst)
+
+
+def test_dst_on_a_read_only_file_system(glm_copy, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    real = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self == tmp_path / "ro" / "dst":
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    before = tree_bytes(glm_copy)
+    r = quantkit(*convert_args(glm_copy, tmp_path / "ro" / "dst"))
+    assert_clean_failure(r, glm_copy, before, "dst", "Read-only file system")
