@@ -239,6 +239,9 @@ def test_a_hub_cache_snapshot_is_read(synthetic, tmp_path):
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
     result = convert(snapshot, tmp_path / "dst", "dense-w4a16-g128", device="cpu")
     assert result.shards_written >= 1 and not any(p.is_symlink() for p in (tmp_path / "dst").iterdir())
+    from quantkit.evaluation import model_checksums  # what eval records of a baseline held this way
+
+    assert set(model_checksums(snapshot)) == {p.name for p in synthetic["llama"].iterdir()}
 
 
 # --- Hangs ----------------------------------------------------------------------------------------

@@ -302,7 +302,7 @@ def shipped_files(folder: Path) -> list[dict]:
     import fnmatch
 
     files = []
-    roots = [folder.resolve()]
+    roots = link_roots(folder)
     for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):
         name = path.relative_to(folder).as_posix()
         if any(fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(path.name, pattern) for pattern in SHIP_IGNORE):
