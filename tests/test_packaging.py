@@ -1,5 +1,6 @@
 """A wheel built from the repository works on its own: recipes and suites inside, the command installed."""
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -10,8 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_built_wheel_converts_with_a_built_in_recipe(synthetic, tmp_path):
+    # Built from a copy: setuptools leaves build/ behind, and a stale build/lib would leak into later wheels.
+    source = tmp_path / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                                 ".pytest_cache", "runs", "quantkit-demo"))
     built = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(built)], check=True, capture_output=True)
     wheel = next(built.glob("quantkit-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
