@@ -268,7 +268,8 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     json_path = dst / "kv_scales.json"
     record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
-              "fp8_max": FP8_MAX, "engine_note": "SGLang/vLLM load these; DSA/NSA sparse-attention backends ignore them",
+              "fp8_max": FP8_MAX, "engine_note": ("SGLang 0.5.23 loads these names for Llama-style models but not in its DeepSeek/GLM "
+                              "loader (docs/calibrate-kv.md); DSA/NSA sparse-attention backends ignore them"),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention)
