@@ -21,6 +21,7 @@ from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
+from quantkit.kv.engine_names import engine_usage, scale_names
 from quantkit.kv.hooks import KVObserver, kv_hooks
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "data" / "calibration.jsonl"
@@ -243,8 +244,9 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
                     shutil.copy2(p, target)
     tensors = {}
     for layer, (k, v) in scales.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+        k_name, v_name = scale_names(layer)  # the names SGLang and vLLM both load (kv/engine_names.py)
+        tensors[k_name] = torch.tensor(k, dtype=torch.float32)
+        tensors[v_name] = torch.tensor(v, dtype=torch.float32)
     written = write_safetensors(dst / SCALES_SHARD, tensors, {"format": "pt"})
 
     index_path = dst / INDEX_NAME
@@ -252,6 +254,8 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
         index = json.loads(index_path.read_text())
     else:
         index = {"metadata": {}, "weight_map": {n: s.name for s in ckpt.shards for n in s.tensors}}
+    # Scales of an earlier calibration (perhaps under older names) go with the shard they lived in.
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != SCALES_SHARD}
     index["weight_map"].update({name: SCALES_SHARD for name in tensors})
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
     write_bytes_atomic(index_path, (json.dumps(index, indent=2) + "\n").encode())
@@ -268,8 +272,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     json_path = dst / "kv_scales.json"
     record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
-              "fp8_max": FP8_MAX, "engine_note": ("SGLang 0.5.23 loads these names for Llama-style models but not in its DeepSeek/GLM "
-                              "loader (docs/calibrate-kv.md); DSA/NSA sparse-attention backends ignore them"),
+              "fp8_max": FP8_MAX, "engines": engine_usage(attention, sparse=detect_family(ckpt.config).has_indexer),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention)

@@ -60,7 +60,7 @@ def kv_scales_of(path) -> dict[int, tuple[float, float]]:
     found: dict[int, dict[str, float]] = {}
     with TensorReader(ckpt) as reader:
         for name in ckpt.tensors:
-            m = re.match(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$", name)
+            m = re.match(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$", name)
             if m:
                 found.setdefault(int(m.group(1)), {})[m.group(2)] = float(reader.read(name))
     return {i: (s["k"], s["v"]) for i, s in sorted(found.items())}

@@ -114,6 +114,8 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
               f"vllm serve {name} --tensor-parallel-size {tp}" + (" --kv-cache-dtype fp8" if fp8_kv else ""), "```", "",
               f"(`{tp}` is the fewest H200s that hold the weights with 30 % of memory left for the KV cache; "
               "`quantkit plan` sizes a deployment exactly.)", ""]
+    if fp8_kv:
+        lines += _kv_scale_section(dst, config)
     lines += ["## Size", "", "| | parameters | bytes on disk |", "|---|---|---|"]
     if before is not None:
         lines.append(f"| source | {before.total_params:,} | {before.total_bytes / 1e9:.3f} GB |")
@@ -124,6 +126,24 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     lines.append("")
     lines += _provenance_section(manifest, verdict)
     return "\n".join(lines) + "\n"
+
+
+def _kv_scale_section(dst: Path, config: dict) -> list[str]:
+    """Per engine, whether its loader uses the calibrated KV scales (read in its source: kv/engine_names.py)."""
+    from quantkit.checkpoint.families import detect_family
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.kv.engine_names import engine_usage, is_kv_scale, rules_for
+
+    family = detect_family(config)
+    names = [n for n in open_checkpoint(dst).tensors if is_kv_scale(n)]
+    lines = ["### FP8 KV-cache scales", ""]
+    for engine, usage in engine_usage(family.attention, sparse=family.has_indexer).items():
+        lines.append(f"- {engine}: {usage}")
+    for rule in rules_for("sglang", family.attention) + rules_for("vllm", family.attention):
+        if names and any(rule.lands(n) is None for n in names):
+            lines.append(f"- **{rule.engine} {rule.version} skips this checkpoint's scale tensors** (older names): "
+                         "it serves FP8 KV with scale 1.0")
+    return lines + [""]
 
 
 def _gate_section(verdict: GateReport | None) -> list[str]:

@@ -104,6 +104,7 @@ def verify(
     checked["modules"] = len(stored)
     findings += _structure(ckpt, stored)
     findings += _engine(ckpt, stored, rules, tp)
+    findings += _kv_scales_load(ckpt, rules.name, checked)
     findings += _integrity(ckpt, checked)
     if source is not None:
         try:
@@ -266,6 +267,24 @@ def _integrity(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
                                  "contents changed since conversion (flipped bit, truncated or replaced copy)", file=str(shard.path)))
     for name in set(manifest.shards) - {s.name for s in ckpt.shards}:
         found.append(Finding("integrity", "every recorded shard is present", "recorded but not in the index", file=name))
+    return found
+
+
+def _kv_scales_load(ckpt: Checkpoint, engine: str, checked: dict[str, int]) -> list[Finding]:
+    """Every KV-scale tensor lands on a parameter of the engine's model (kv/engine_names.py): a skipped
+    scale is logged by the engine and FP8 KV is then served with scale 1.0, silently."""
+    from quantkit.checkpoint.families import detect_family
+    from quantkit.kv.engine_names import is_kv_scale, rules_for
+
+    found = []
+    for rule in rules_for(engine, detect_family(ckpt.config).attention):
+        for name in sorted(n for n in ckpt.tensors if is_kv_scale(n)):
+            checked["KV scales mapped"] += 1
+            if rule.lands(name) is None:
+                found.append(Finding("engine", f"every KV scale lands on a {rule.engine} {rule.version} parameter "
+                                     f"({rule.source})", f"skipped by the loader: {rule.engine} would serve FP8 KV "
+                                     "with scale 1.0; re-run calibrate-kv, which writes names every engine loads",
+                                     name, ckpt.tensors[name].file))
     return found
 
 
