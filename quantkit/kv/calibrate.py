@@ -244,7 +244,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
                     shutil.copy2(p, target)
     tensors = {}
     for layer, (k, v) in scales.items():
-        k_name, v_name = scale_names(layer)  # the names SGLang and vLLM both load (kv/engine_names.py)
+        k_name, v_name = scale_names(layer)  # the names the engines load (kv/engine_names.py)
         tensors[k_name] = torch.tensor(k, dtype=torch.float32)
         tensors[v_name] = torch.tensor(v, dtype=torch.float32)
     written = write_safetensors(dst / SCALES_SHARD, tensors, {"format": "pt"})

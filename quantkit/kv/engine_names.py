@@ -4,8 +4,10 @@ A scale the loader does not map onto a parameter of its model is logged and skip
 engine then serves FP8 KV with its default scale of 1.0: nothing fails, nobody notices. Each rule
 below restates one engine's renaming for one attention type, with the file and lines it was read
 from (SGLang 0.5.23 and vLLM 0.33.0, the wheels from PyPI), and the parameter the renamed tensor
-must land on. quantkit writes the one name all four rules load: the ModelOpt layout
-``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``.
+must land on. quantkit writes the one name all three rules load: the ModelOpt layout
+``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Not traced yet: vLLM's GQA models
+(Llama loads through ``AutoWeightsLoader`` and the quantization config's ``get_cache_scale_mapper``,
+vllm/model_executor/models/utils.py:467, which was not read), so no rule claims anything there.
 """
 
 from __future__ import annotations
@@ -83,9 +85,6 @@ RULES = (
                 _sglang_deepseek, "model.layers.{layer}.self_attn.attn_mqa.{kv}_scale",
                 "sglang/srt/models/deepseek_common/deepseek_weight_loader.py:515-533; "
                 "attn_mqa is a RadixAttention, sglang/srt/models/deepseek_v2.py:2183"),
-    KVScaleRule("vllm", VLLM_VERSION, "gqa", "Llama and other loaders calling maybe_remap_kv_scale_name",
-                _vllm("attn"), "model.layers.{layer}.self_attn.attn.{kv}_scale",
-                "vllm/model_executor/model_loader/weight_utils.py:1722-1830"),
     KVScaleRule("vllm", VLLM_VERSION, "mla", "DeepSeek-V3, GLM 5.x (deepseek_v2.py:2009) through deepseek_v2.py:1812",
                 _vllm("mla_attn.mla_attn"), "model.layers.{layer}.self_attn.mla_attn.mla_attn.{kv}_scale",
                 "vllm/model_executor/model_loader/weight_utils.py:1764-1779; the wrapper's MLAAttention, "
@@ -100,7 +99,7 @@ def rules_for(engine: str, attention: str) -> list[KVScaleRule]:
 def engine_usage(attention: str, sparse: bool = False) -> dict[str, str]:
     """Per engine, what it does with the scales quantkit writes for a model of this attention type
     (``sparse``: a DSA/NSA model, whose sparse-attention backends never read them)."""
-    usage = {}
+    usage = {f"{e} {v}": "not traced in its source: unknown" for e, v in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION))}
     for rule in RULES:
         if rule.attention == attention:
             key = f"{rule.engine} {rule.version}"
