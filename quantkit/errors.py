@@ -29,6 +29,13 @@ class CannotCompare(QuantkitError):
     """Two runs differ in something other than the model: no verdict either way (exit 2)."""
 
 
+def field_error(exc) -> str:
+    """A pydantic ValidationError as ``field.path: reason`` of its first error: what a one-line error names."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top)"
+    return f"{where}: {first['msg']}"
+
+
 def describe_os_error(exc: OSError) -> str:
     """An OSError as one line naming the path: 'PATH: permission denied', 'PATH: disk full'."""
     import errno

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.checkpoint.writer import write_bytes_atomic
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, field_error
 
 MANIFEST_NAME = "quantkit-manifest.json"
 FORMAT_VERSION = 1
@@ -67,6 +67,4 @@ def load_manifest(folder: Path) -> Manifest | None:
     try:
         return Manifest.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise QuantkitError(f"unreadable manifest ({where}: {first['msg']}); convert --force starts over", path) from exc
+        raise QuantkitError(f"unreadable manifest ({field_error(exc)}); convert --force starts over", path) from exc

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from quantkit.errors import CannotCompare, QuantkitError
+from quantkit.errors import CannotCompare, QuantkitError, field_error
 
 RUN_NAME = "run.json"
 RESULTS_NAME = "results.json"
@@ -80,12 +80,6 @@ class TaskScore(_Strict):
     n: int
 
 
-def _field_error(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top)"
-    return f"{where}: {first['msg']}"
-
-
 def read_run_record(run_dir: Path) -> RunRecord:
     path = run_dir / RUN_NAME
     if not path.is_file():
@@ -93,7 +87,7 @@ def read_run_record(run_dir: Path) -> RunRecord:
     try:
         return RunRecord.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        raise CannotCompare(f"invalid run record: {_field_error(exc)}", path) from exc
+        raise CannotCompare(f"invalid run record: {field_error(exc)}", path) from exc
 
 
 def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, SampleRecord]:
@@ -110,7 +104,7 @@ def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, Sampl
         try:
             row = SampleRecord.model_validate_json(line)
         except ValidationError as exc:
-            raise CannotCompare(f"line {n}: invalid sample ({_field_error(exc)})", path) from exc
+            raise CannotCompare(f"line {n}: invalid sample ({field_error(exc)})", path) from exc
         if row.item_id in rows:
             raise CannotCompare(f"line {n}: item {row.item_id} appears twice", path)
         rows[row.item_id] = row

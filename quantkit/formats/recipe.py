@@ -23,7 +23,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.utils.match import match_name
 from pydantic import ValidationError
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, field_error
 from quantkit.packaged import recipe_path
 from quantkit.yaml_file import load_yaml
 
@@ -113,9 +113,7 @@ def _build_config(mod: dict, path: Path) -> QuantizationConfig:
             quantization_status=QuantizationStatus.INITIALIZED,
         )
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise QuantkitError(f"invalid QuantizationModifier: {context}{where}: {first['msg']}", path) from exc
+        raise QuantkitError(f"invalid QuantizationModifier: {context}{field_error(exc)}", path) from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise QuantkitError(f"invalid QuantizationModifier: {' '.join(str(exc).split())[:300]}", path) from exc
     _check_patterns(config, path)

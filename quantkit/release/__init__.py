@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, field_error
 from quantkit.evaluation.run_dir import read_scores
 from quantkit.packaged import recipe_path, suite_path
 from quantkit.release.gate import DEFAULT_SUITE
@@ -151,9 +151,7 @@ def load_config(path: str | os.PathLike) -> ReleaseConfig:
     try:
         return ReleaseConfig.model_validate(doc)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise QuantkitError(f"{where}: {first['msg']}", path) from exc
+        raise QuantkitError(field_error(exc), path) from exc
 
 
 def release(

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantkit.errors import CannotCompare, QuantkitError
+from quantkit.errors import CannotCompare, QuantkitError, field_error
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
 from quantkit.packaged import suite_path
 
@@ -111,9 +111,7 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
     try:
         spec = _SuiteFile.model_validate(doc if doc is not None else {})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise QuantkitError(f"invalid suite: {where}: {first['msg']}", path) from exc
+        raise QuantkitError(f"invalid suite: {field_error(exc)}", path) from exc
     tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
              for name, t in spec.tasks.items()}
     return Suite(tasks=tasks, alpha=spec.alpha, correction=spec.correction, decide_by=spec.decide_by,

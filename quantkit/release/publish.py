@@ -26,7 +26,7 @@ from quantkit.checkpoint.writer import (
     sha256_file,
     write_bytes_atomic,
 )
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, field_error
 
 if TYPE_CHECKING:
     from quantkit.release.gate import GateReport
@@ -108,9 +108,7 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
     except OSError as exc:
         raise PublishRefused(f"cannot read the gate verdict ({exc.strerror})", gate) from exc
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise PublishRefused(f"not a gate verdict ({where}: {first['msg']})", gate) from exc
+        raise PublishRefused(f"not a gate verdict ({field_error(exc)})", gate) from exc
     if not verdict.passed or not verdict.tasks or not all(t.passed for t in verdict.tasks):
         failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
