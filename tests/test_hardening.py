@@ -409,3 +409,16 @@ def test_concurrent_writers_never_share_a_temporary_file(tmp_path):
     for t in threads:
         t.join()
     assert target.read_bytes() in payloads and not list(tmp_path.glob(".*partial"))
+
+
+def test_overlapping_groups_are_refused_for_an_int4_source_too(synthetic, tmp_path):
+    """The one-group rule lives where every weight's group is looked up, INT4 sources included."""
+    int4 = tmp_path / "int4"
+    convert(synthetic["llama"], int4, "dense-w4a16-g128", device="cpu")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(targets=json.dumps(["Linear"]), ignore=json.dumps(["lm_head"]),
+                                    more="        group_1:\n          targets: ['re:.*mlp.*']\n"
+                                         "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
+                                         "group_size: 32}\n"))
+    r = quantkit("convert", int4, tmp_path / "dst", "-r", recipe, "--device", "cpu")
+    one_line_error(r, "recipe groups group_0 and group_1 both target this module", "weight_packed")

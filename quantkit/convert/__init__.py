@@ -18,6 +18,7 @@ import queue
 import re
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,29 +160,24 @@ def convert(
         if todo or not finished:  # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
             _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest)
             _finish(ckpt, rec, plan, dst_path, manifest)
-    kinds: dict[str, int] = {}
-    groups: dict[str, int] = {}
-    for shard in plan.shards:
-        for a in shard.actions:
-            kinds[a.kind.value] = kinds.get(a.kind.value, 0) + 1
-            if a.group is not None:
-                groups[a.group] = groups.get(a.group, 0) + 1
+    kinds = Counter(a.kind.value for s in plan.shards for a in s.actions)
+    planned = {s.name for s in plan.shards}
     return ConvertResult(
         src=str(src_path),
         dst=str(dst_path),
         family=detect_family(ckpt.config).name,
         recipe=rec.name,
         source_bytes=ckpt.total_bytes,
-        output_bytes=sum(r.size for name, r in manifest.shards.items() if name in {s.name for s in plan.shards}),
+        output_bytes=sum(r.size for name, r in manifest.shards.items() if name in planned),
         shards_total=len(plan.shards),
         shards_written=len(todo),
         shards_reused=len(plan.shards) - len(todo),
-        tensors_by_kind=kinds,
+        tensors_by_kind=dict(kinds),
         devices=devices,
         workers=workers,
         seconds=time.perf_counter() - started,
         stage_seconds=dict(stats.seconds),
-        tensors_by_group={g: groups.get(g, 0) for g in rec.config.config_groups},
+        tensors_by_group={g: plan.weights_by_group[g] for g in rec.config.config_groups},
         skipped_files=list(ckpt.skipped_files),
         warnings=list(stats.warnings),
     )
@@ -511,7 +507,7 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
     from compressed_tensors import __version__ as ct_version
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
-    used = {a.group for s in plan.shards for a in s.actions if a.group is not None}
+    used = plan.weights_by_group
     groups = {name: scheme for name, scheme in recipe.config.config_groups.items() if name in used}
     formats = {scheme.format for scheme in groups.values()}
     fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -96,6 +97,11 @@ class ConversionPlan:
     def output_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
 
+    @property
+    def weights_by_group(self) -> Counter[str]:
+        """Recipe group -> how many weights it took."""
+        return Counter(a.group for s in self.shards for a in s.actions if a.group is not None)
+
     def digest(self) -> str:
         """Identifies the layout; a resumed run must lay out exactly the same shards."""
         h = hashlib.sha256()
@@ -142,12 +148,13 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     actions.sort(key=order)
     for a in actions:
         a.source_bytes = sum(tensors[s].nbytes for s in a.sources)
-    taken = {a.group for a in actions if a.group is not None}
+    plan = ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
+    taken = plan.weights_by_group
     for group, scheme in recipe.config.config_groups.items():
         if group not in taken:  # a typo in a target, or an ignore that swallows it: never a silent no-op
             raise QuantkitError(f"recipe {recipe.name}: group {group} (targets {scheme.targets}) matches no weight "
                                 "of this checkpoint", ckpt.root)
-    return ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
+    return plan
 
 
 def _header_bound(o: OutputTensor) -> int:
@@ -201,11 +208,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
     else:
         return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
 
-    matches = recipe.groups_for(module, is_linear_weight(weight.name, len(weight.shape)))
-    if len(matches) > 1:
-        raise QuantkitError(f"recipe groups {matches[0][0]} and {matches[1][0]} both target this module; "
-                            "give each module one group", where(weight), weight.name)
-    match = matches[0] if matches else None
+    match = _recipe_group(recipe, module, is_linear_weight(weight.name, len(weight.shape)), where(weight), weight.name)
     if match is None:
         out_dtype = dtype if encoding == "fp8_block" else weight.dtype
         kind = ActionKind.DEQUANTIZE if encoding == "fp8_block" else ActionKind.KEEP_FLOAT
@@ -256,7 +259,7 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     else:
         out_shape = (packed.shape[0], packed.shape[1] * 8)
     src_gs = out_shape[1] // scale.shape[1]
-    match = recipe.scheme_for(module, True)
+    match = _recipe_group(recipe, module, True, path, packed.name)
     weight_name = f"{module}.weight"
     if match is None:
         return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),), "int4_packed",
@@ -277,6 +280,16 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
         raise QuantkitError(problem, path, packed.name)
     return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
     )
+
+
+def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: str) -> tuple[str, QuantizationScheme] | None:
+    """The one recipe group that targets ``module``, or None; two groups claiming it are refused
+    (engines disagree on which one wins: compressed-tensors the first, vLLM the most specific)."""
+    matches = recipe.groups_for(module, is_linear)
+    if len(matches) > 1:
+        raise QuantkitError(f"recipe groups {matches[0][0]} and {matches[1][0]} both target this module; "
+                            "give each module one group", path, tensor)
+    return matches[0] if matches else None
 
 
 def _int4_outputs(module: str, shape, gs: int, dtype: str) -> tuple[OutputTensor, ...]:

@@ -48,13 +48,7 @@ class Recipe:
     def scheme_for(self, module: str, is_linear: bool) -> tuple[str, QuantizationScheme] | None:
         """The first config group whose targets match ``module`` (the first-match rule of
         compressed-tensors), or None when no group targets it or ``ignore`` does."""
-        if any(match_name(module, ign) for ign in self.config.ignore or []):
-            return None
-        for group_name, scheme in self.config.config_groups.items():
-            for target in scheme.targets:
-                if (target == "Linear" and is_linear) or match_name(module, target):
-                    return group_name, scheme
-        return None
+        return next(iter(self.groups_for(module, is_linear)), None)
 
 
 def load_recipe(recipe: str | Path) -> Recipe:
