@@ -144,7 +144,7 @@ def convert(
         max_shard_size=parse_size(max_shard_size),
     )
     _make_folder(dst_path)
-    _refuse_foreign(dst_path)
+    _refuse_foreign(dst_path)  # before the lock file is created in someone else's folder; again under the lock
     with folder_lock(dst_path):
         manifest, finished = _prepare_dst(dst_path, manifest, resume, force)
         todo = [s for s in plan.shards if not _is_done(dst_path, s, manifest, verify_reused)]
@@ -236,8 +236,7 @@ def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple
     for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
         stale.unlink()
     if not finished:
-        fresh.status = ManifestStatus.RUNNING
-        fresh.save(dst)
+        fresh.save(dst)  # status RUNNING, as every new manifest starts
     return fresh, finished
 
 
