@@ -32,6 +32,12 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def load_yaml(path: str | Path, what: str):
     """The parsed document of ``path``; ``what`` names the file's role in errors ("recipe", "suite")."""
+    return load_yaml_with_bytes(path, what)[0]
+
+
+def load_yaml_with_bytes(path: str | Path, what: str):
+    """(the parsed document, the bytes it was parsed from): one read, so a hash of the bytes names
+    exactly what was parsed."""
     path = Path(path)
     try:
         if not path.is_file():
@@ -42,6 +48,6 @@ def load_yaml(path: str | Path, what: str):
     except OSError as exc:
         raise QuantkitError(f"cannot read the {what} ({exc.strerror})", path) from exc
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_BoundedLoader), text  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise QuantkitError(f"invalid YAML: {' '.join(str(exc).split())[:300]}", path) from exc

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from quantkit.errors import QuantkitError, field_error
 from quantkit.packaged import recipe_path
-from quantkit.yaml_file import load_yaml
+from quantkit.yaml_file import load_yaml_with_bytes
 
 # Modifiers whose algorithm needs calibration data; quantkit's converter is round-to-nearest.
 DATA_DEPENDENT = ("GPTQModifier", "AWQModifier", "SmoothQuantModifier", "AutoRoundModifier")
@@ -54,8 +54,7 @@ class Recipe:
 def load_recipe(recipe: str | Path) -> Recipe:
     """A recipe file, or a built-in recipe by name, as compressed-tensors' config (every target regex checked)."""
     path = recipe_path(recipe)
-    doc = load_yaml(path, "recipe")
-    raw = path.read_bytes()
+    doc, raw = load_yaml_with_bytes(path, "recipe")
     modifier = _find_modifier(doc, path)
     return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=_build_config(modifier, path))
 
