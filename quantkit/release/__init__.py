@@ -218,7 +218,7 @@ def release(
         if dst.exists() and any(dst.iterdir()) and not state.get("owns_model"):
             raise QuantkitError("holds files this release did not write; move them away or set another work_dir", dst)
         state["owns_model"] = True
-        write_bytes_atomic(state_path, (json.dumps(state, indent=2) + "\n").encode())
+        _save_state(state_path, state)
         settings = {"device": c.device, "workers": c.workers, "max_shard_size": c.max_shard_size}
         try:
             done = convert(source, dst, recipe, resume=True, **settings)
@@ -314,7 +314,7 @@ def release(
             # Later stages built on the old result of this one are stale now.
             for later in STAGES[STAGES.index(stage) + 1:]:
                 state["stages"].pop(later, None)
-            write_bytes_atomic(state_path, (json.dumps(state, indent=2) + "\n").encode())
+            _save_state(state_path, state)
         result.stages.append(record)
         if on_stage is not None:
             on_stage(record)
@@ -326,6 +326,10 @@ def release(
 
 def _scores(scores: dict) -> str:
     return ", ".join(f"{task} {s['score']:.2f} (n={s['n']})" for task, s in scores.items())
+
+
+def _save_state(path: Path, state: dict) -> None:
+    write_bytes_atomic(path, (json.dumps(state, indent=2) + "\n").encode())
 
 
 def _load_state(path: Path) -> dict | None:
