@@ -40,10 +40,9 @@ class TaskSpec(_Strict):
     margin: float | None = Field(default=None, ge=0, le=100)
 
 
-class Suite(_Strict):
-    """A suite file: which tasks gate a release, each with its margin in accuracy points."""
+class _SuiteRules(_Strict):
+    """How a suite decides, the same in the file and in the resolved suite."""
 
-    tasks: dict[str, float]  # task -> margin in accuracy points
     alpha: float = Field(default=0.05, gt=0, lt=1)
     correction: Literal["bonferroni", "none"] = "bonferroni"
     decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"], min_length=1)
@@ -53,14 +52,17 @@ class Suite(_Strict):
     may_differ: list[str] = Field(default_factory=list)
 
 
-class _SuiteFile(_Strict):
+class Suite(_SuiteRules):
+    """A suite: which tasks gate a release, each with its margin in accuracy points."""
+
+    tasks: dict[str, float]  # task -> margin in accuracy points
+
+
+class _SuiteFile(_SuiteRules):
+    """A suite as written: per-task margins optional, a default margin for the rest."""
+
     tasks: dict[str, TaskSpec | None] = Field(min_length=1)
     margin: float = Field(default=1.0, ge=0, le=100)
-    alpha: float = Field(default=0.05, gt=0, lt=1)
-    correction: Literal["bonferroni", "none"] = "bonferroni"
-    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"], min_length=1)
-    loglik_margin: float = Field(default=0.1, ge=0)
-    may_differ: list[str] = Field(default_factory=list)
 
 
 class Signal(_Strict):
@@ -114,8 +116,7 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
         raise QuantkitError(f"invalid suite: {field_error(exc)}", path) from exc
     tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
              for name, t in spec.tasks.items()}
-    return Suite(tasks=tasks, alpha=spec.alpha, correction=spec.correction, decide_by=spec.decide_by,
-                 loglik_margin=spec.loglik_margin, may_differ=spec.may_differ)
+    return Suite(tasks=tasks, **spec.model_dump(exclude={"tasks", "margin"}))
 
 
 def load_samples(run_dir: Path, record: RunRecord, task: str) -> dict[str, SampleRecord]:
