@@ -1,8 +1,7 @@
 """``eval``: run the release benchmarks on a model and keep every item's outcome.
 
 lm-eval runs the tasks through its Python API. With ``--data-dir`` (the hub's schema, as in
-shared/evaldata) each task is an lm-eval task YAML written into RUN_DIR that reads the local
-JSONL files; without it lm-eval's own hub-backed tasks run. The in-process ``hf`` engine loads
+shared/evaldata) each task is an lm-eval task YAML that reads the local JSONL files; without it lm-eval's own hub-backed tasks run. The in-process ``hf`` engine loads
 the model with quantkit's strict loader (so INT4 MoE experts are really there) and can emulate
 an FP8 KV cache with the checkpoint's calibrated scales.
 
@@ -122,9 +121,9 @@ def task_yaml(task: str, data_dir: Path) -> tuple[str, str, int]:
         doc["metric_list"] = [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
                                "ignore_case": True, "ignore_punctuation": False,
                                "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}]
-    identity = dict(doc, dataset_kwargs={"data_sha256": sha256_file(data)})
-    with open(data, "rb") as f:
-        items = sum(1 for line in f if line.strip())
+    raw = data.read_bytes()  # one read: the hash and the item count describe the same bytes
+    identity = dict(doc, dataset_kwargs={"data_sha256": hashlib.sha256(raw).hexdigest()})
+    items = sum(1 for line in raw.splitlines() if line.strip())
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return yaml.safe_dump(doc, sort_keys=False), digest, items
 
@@ -357,13 +356,14 @@ def _api_engine(engine: str, url: str, path: Path, batch_size: int, settings: di
     """lm-eval's completions client on a server; the server's own report of its version."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from quantkit.evaluation.sglang import base_url, get_json, served_model
+    from quantkit.evaluation.sglang import EngineError, base_url, get_json, served_model
 
     url = base_url(url)
     served = served_model(url)
-    try:
-        version = get_json(f"{url}/get_server_info").get("version", "unknown")
-    except Exception:  # noqa: BLE001 - only SGLang has this endpoint; any other answer means "unknown"
+    try:  # only SGLang has this endpoint: another server's refusal or odd answer means "unknown"
+        info = get_json(f"{url}/get_server_info")
+        version = info.get("version", "unknown") if isinstance(info, dict) else "unknown"
+    except (OSError, EngineError):
         version = "unknown"
     lm = LocalCompletionsAPI(model=served, base_url=f"{url}/v1/completions", tokenizer=str(path),
                              tokenizer_backend="huggingface", num_concurrent=batch_size, max_retries=3,
