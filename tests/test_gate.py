@@ -192,3 +192,13 @@ def test_run_records_and_suites_are_validated(tmp_path):
     good = write_run(tmp_path / "c", {"arc_easy": [1, 0, 1]})
     r = CliRunner().invoke(app, ["gate", str(good), str(good), "--suite", str(s), "--report", str(tmp_path / "report-file")])
     assert r.exit_code == 2 and "report folder is a file" in r.output
+
+
+def test_a_samples_file_that_is_not_utf8_cannot_be_compared(tmp_path):
+    s = suite(tmp_path, ["arc_easy"])
+    base = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
+    cand = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]})
+    path = cand / "samples" / "arc_easy.jsonl"
+    path.write_bytes(path.read_bytes().replace(b'"h0"', b'"h\xff"'))
+    r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
+    assert r.exit_code == 2 and "arc_easy.jsonl: not UTF-8 text" in r.output and len(r.output.strip().splitlines()) == 1

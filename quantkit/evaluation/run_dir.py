@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from quantkit.checkpoint.writer import write_bytes_atomic
 from quantkit.errors import CannotCompare, QuantkitError, field_error
 
 RUN_NAME = "run.json"
@@ -97,8 +98,12 @@ def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, Sampl
         raise CannotCompare(f"task {task} has no samples file", path)
     if path.stat().st_size > MAX_SAMPLE_FILE_BYTES:
         raise CannotCompare("samples file over 1 GiB", path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CannotCompare(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path) from exc
     rows: dict[str, SampleRecord] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -118,21 +123,15 @@ def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, Sampl
 
 
 def write_samples(run_dir: Path, task: str, records: list[SampleRecord]) -> None:
-    from quantkit.checkpoint.writer import write_bytes_atomic
-
     text = "".join(r.model_dump_json(exclude_none=True) + "\n" for r in records)
     write_bytes_atomic(run_dir / "samples" / f"{task}.jsonl", text.encode())
 
 
 def write_run_record(run_dir: Path, record: RunRecord) -> None:
-    from quantkit.checkpoint.writer import write_bytes_atomic
-
     write_bytes_atomic(run_dir / RUN_NAME, (record.model_dump_json(indent=2) + "\n").encode())
 
 
 def write_scores(run_dir: Path, scores: dict[str, TaskScore]) -> None:
-    from quantkit.checkpoint.writer import write_bytes_atomic
-
     data = {task: s.model_dump() for task, s in scores.items()}
     write_bytes_atomic(run_dir / RESULTS_NAME, (json.dumps(data, indent=2) + "\n").encode())
 
