@@ -48,10 +48,10 @@ class RequestCache:
             raise QuantkitError("the request cache is a link: refused", self.path)
 
     def _load(self) -> None:
-        lines = self.path.read_text(errors="replace").splitlines()
+        lines = self.path.read_bytes().splitlines()  # decoded line by line: a kill may cut the last one mid-character
         for n, line in enumerate(lines, 1):
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode("utf-8"))
                 key, attr = row["key"], row["attr"]
                 answer = _valid(attr, row["answer"]) if attr in METHODS else None
                 if not (isinstance(key, str) and len(key) == 64) or answer is None:
@@ -68,13 +68,14 @@ class RequestCache:
 
     def add_partial(self, attr: str, req, res) -> None:
         key = hash_args(attr, req)
-        if key in self.answers or _valid(attr, list(res) if isinstance(res, tuple) else res) is None:
+        value = list(res) if isinstance(res, tuple) else res  # as JSON stores it
+        if key in self.answers or _valid(attr, value) is None:
             return
         self.answers[key] = res
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         with os.fdopen(fd, "a") as f:
-            f.write(json.dumps({"key": key, "attr": attr, "answer": list(res) if isinstance(res, tuple) else res}) + "\n")
+            f.write(json.dumps({"key": key, "attr": attr, "answer": value}) + "\n")
 
 
 class CachedLM(DelegatingLM):
