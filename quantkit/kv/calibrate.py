@@ -1,9 +1,7 @@
 """``calibrate-kv``: FP8 KV-cache scales written into a checkpoint the way SGLang and vLLM load them.
 
-Giant models calibrate layer by layer: the model is built on the meta device, the calibration
-batches are run up to the first decoder layer once, and then each decoder layer in turn is
-loaded from the checkpoint (decoded from whatever encoding it has), run on every batch's hidden
-states, observed and dropped. Peak memory is one layer's weights plus the hidden states.
+Giant models calibrate layer by layer (quantkit.layerwise): one decoder layer's weights in
+memory at a time, observed on every batch's hidden states and dropped.
 """
 
 from __future__ import annotations
@@ -17,14 +15,15 @@ from pathlib import Path
 
 import torch
 
+from quantkit.calibration_data import DEFAULT_DATA, load_texts, model_tokenizer, token_batches
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
 from quantkit.kv.engine_names import engine_usage, scale_names
 from quantkit.kv.hooks import KVObserver, kv_hooks
+from quantkit.layerwise import LayerWalk
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "data" / "calibration.jsonl"
 SCALES_SHARD = "kv-scales.safetensors"
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 
@@ -43,46 +42,6 @@ class KVCalibrationResult:
     seconds: float
     peak_layer_bytes: int = 0
     notes: list[str] = field(default_factory=list)
-
-
-def load_texts(path: Path, text_field: str = "text") -> list[str]:
-    if not path.is_file():
-        raise QuantkitError("calibration data not found", path)
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise QuantkitError(f"line {n}: invalid JSON ({exc.msg})", path) from exc
-            if text_field not in row:
-                raise QuantkitError(f"line {n}: no field {text_field!r} (use --text-field)", path)
-            texts.append(str(row[text_field]))
-    else:
-        texts = [p for p in raw.split("\n\n")]
-    texts = [t for t in texts if t.strip()]
-    if not texts:
-        raise QuantkitError("calibration data is empty", path)
-    return texts
-
-
-def token_batches(tokenizer, texts: list[str], samples: int, seq_len: int, batch_size: int, source: Path) -> list[torch.Tensor]:
-    """Concatenate the texts (EOS between), cut into ``samples`` sequences of ``seq_len`` tokens."""
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    ids: list[int] = []
-    need = samples * seq_len
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
-        if len(ids) >= need:
-            break
-    usable = len(ids) // seq_len
-    if usable == 0:
-        raise QuantkitError(f"too short: {len(ids)} tokens, not one sequence of {seq_len}", source)
-    sequences = torch.tensor(ids[: min(usable, samples) * seq_len]).view(-1, seq_len)
-    return list(sequences.split(batch_size))
 
 
 def calibrate_kv(
@@ -112,14 +71,9 @@ def calibrate_kv(
     if seq_len > limit:
         raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context ({limit})", src / "config.json")
     if batches is None:
-        from transformers import AutoTokenizer
-
         data_path = Path(data) if data else DEFAULT_DATA
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(src)
-        except (OSError, ValueError) as exc:
-            raise QuantkitError(f"no tokenizer in the model folder ({type(exc).__name__})", src) from exc
-        batches = token_batches(tokenizer, load_texts(data_path, text_field), samples, seq_len, batch_size, data_path)
+        batches = token_batches(model_tokenizer(src), load_texts(data_path, text_field), samples, seq_len, batch_size,
+                                data_path)
     dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     observer, peak = layerwise_observe(ckpt, batches, dev)
     scales = observer.scales()
@@ -136,75 +90,21 @@ def _known_attention(config: dict) -> bool:
     return "kv_lora_rank" in config or "num_key_value_heads" in config or "num_attention_heads" in config
 
 
-class _Captured(Exception):
-    def __init__(self, args, kwargs):
-        self.args, self.kwargs = args, kwargs
-
-
-class _Catcher(torch.nn.Module):
-    """Stands in for decoder layer 0 and stops the forward with the inputs it was given."""
-
-    def forward(self, *args, **kwargs):
-        raise _Captured(args, kwargs)
-
-
 def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu") -> tuple[KVObserver, int]:
     """Observe the cached KV of every decoder layer, one layer's weights in memory at a time."""
-    from transformers import AutoModelForCausalLM
-
-    from quantkit.modeling import fuse_experts, model_config, model_dtype, read_weight
-
-    config, family = ckpt.config, detect_family(ckpt.config)
-    cfg = model_config(config)
-    dtype = model_dtype(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    base = model.model
-    # the parts before layer 0: embeddings (from the checkpoint) and rotary tables (from the config)
-    with TensorReader(ckpt) as reader:
-        base.embed_tokens.to_empty(device=device)
-        base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight"))
-    base.rotary_emb = type(base.rotary_emb)(config=cfg).to(device)
-    layers = list(base.layers)
-    base.layers[0] = _Catcher()
-    captured = []
-    for batch in batches:
-        try:
-            base(input_ids=batch.to(device), use_cache=False)
-        except _Captured as c:
-            captured.append((list(c.args), dict(c.kwargs)))
+    walk = LayerWalk(ckpt, batches, device)
+    attention = detect_family(ckpt.config).attention
     observer = KVObserver()
     peak = 0
     with TensorReader(ckpt) as reader:
-        for i, layer in enumerate(layers):
-            prefix = f"model.layers.{i}."
-            state = {}
-            for name in ckpt.tensors:
-                if not name.startswith(prefix):
-                    continue
-                module, _, param = name.rpartition(".")
-                if param in ("weight_scale_inv", "weight_scale", "weight_shape", "k_scale", "v_scale"):
-                    continue
-                key = f"{module}.weight" if param in ("weight", "weight_packed") else name
-                state[key] = read_weight(ckpt, reader, module, dtype) if param in ("weight", "weight_packed") else reader.read(name)
-            state = {k.removeprefix(prefix): v for k, v in fuse_experts(state, config).items()}
-            layer.to_empty(device=device)
-            layer.load_state_dict(state, strict=True)
+        for i in range(len(walk.layers)):
+            state = walk.read_layer(i, reader)
             peak = max(peak, sum(t.numel() * t.element_size() for t in state.values()))
+            layer = walk.load(i, state)
             del state
-            with torch.no_grad(), kv_hooks([layer], family.attention, observer=observer):
-                for args, kwargs in captured:
-                    try:
-                        output = layer(*args, **kwargs)
-                    except FloatingPointError as exc:
-                        raise QuantkitError(str(exc), ckpt.root, f"model.layers.{i}") from exc
-                    hidden = output[0] if isinstance(output, tuple) else output
-                    if not bool(torch.isfinite(hidden).all()):
-                        raise QuantkitError(f"NaN or Inf activations after decoder layer {i}", ckpt.root, f"model.layers.{i}")
-                    args[0] = hidden
-                    if isinstance(output, tuple) and "prev_topk_indices" in kwargs:
-                        kwargs["prev_topk_indices"] = output[1]  # GLM-5 DSA: shared-indexer layers reuse it
-            layer.to("meta")
+            with kv_hooks([layer], attention, observer=observer):
+                walk.run(i, layer)
+            walk.unload(i)
     return observer, peak
 
 

@@ -1,0 +1,108 @@
+"""Running calibration tokens through a checkpoint one decoder layer at a time.
+
+The model is built on the meta device; the calibration batches run up to decoder layer 0 once
+(embeddings and rotary tables are the only weights loaded for that), and then each decoder
+layer in turn is loaded from the checkpoint (decoded from whatever encoding it has), run on
+every batch's hidden states and dropped. Peak memory is one layer's weights plus the hidden
+states, so calibrate-kv and GPTQ work on models far larger than memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.errors import QuantkitError
+
+_NOT_WEIGHTS = ("weight_scale_inv", "weight_scale", "weight_shape", "k_scale", "v_scale")
+
+
+class _Captured(Exception):
+    def __init__(self, args, kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for decoder layer 0 and stops the forward with the inputs it was given."""
+
+    def forward(self, *args, **kwargs):
+        raise _Captured(args, kwargs)
+
+
+class LayerWalk:
+    """The decoder layers of ``ckpt`` and the hidden states of ``batches`` in front of the next one."""
+
+    def __init__(self, ckpt: Checkpoint, batches: list[torch.Tensor], device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        from quantkit.modeling import model_config, model_dtype
+
+        self.ckpt, self.device = ckpt, device
+        self.dtype = model_dtype(ckpt.config)
+        cfg = model_config(ckpt.config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
+        base = model.model
+        with TensorReader(ckpt) as reader:
+            base.embed_tokens.to_empty(device=device)
+            base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight"))
+        base.rotary_emb = type(base.rotary_emb)(config=cfg).to(device)
+        self.layers = list(base.layers)
+        base.layers[0] = _Catcher()
+        self.inputs: list[tuple[list, dict]] = []  # per batch: the next layer's (args, kwargs)
+        with torch.no_grad():
+            for batch in batches:
+                try:
+                    base(input_ids=batch.to(device), use_cache=False)
+                except _Captured as c:
+                    self.inputs.append((list(c.args), dict(c.kwargs)))
+        base.embed_tokens.to("meta")  # only the hidden states are needed from here on
+
+    def read_layer(self, i: int, reader: TensorReader) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s tensors in on-disk names, every Linear weight decoded to the model dtype."""
+        from quantkit.modeling import read_weight
+
+        prefix = f"model.layers.{i}."
+        state = {}
+        for name in self.ckpt.tensors:
+            if not name.startswith(prefix):
+                continue
+            module, _, param = name.rpartition(".")
+            if param in _NOT_WEIGHTS:
+                continue
+            if param in ("weight", "weight_packed"):
+                state[f"{module}.weight"] = read_weight(self.ckpt, reader, module, self.dtype)
+            else:
+                state[name] = reader.read(name)
+        return state
+
+    def load(self, i: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """Decoder layer ``i`` on the device holding ``state`` (on-disk names, experts fused here), strictly."""
+        from quantkit.modeling import fuse_experts
+
+        prefix = f"model.layers.{i}."
+        fused = {k.removeprefix(prefix): v for k, v in fuse_experts(state, self.ckpt.config).items()}
+        layer = self.layers[i]
+        layer.to_empty(device=self.device)
+        layer.load_state_dict(fused, strict=True)
+        return layer
+
+    def run(self, i: int, layer: torch.nn.Module, advance: bool = True) -> None:
+        """Every batch through ``layer``; with ``advance`` its outputs become the next layer's inputs."""
+        with torch.no_grad():
+            for args, kwargs in self.inputs:
+                try:
+                    output = layer(*args, **kwargs)
+                except FloatingPointError as exc:
+                    raise QuantkitError(str(exc), self.ckpt.root, f"model.layers.{i}") from exc
+                hidden = output[0] if isinstance(output, tuple) else output
+                if not bool(torch.isfinite(hidden).all()):
+                    raise QuantkitError(f"NaN or Inf activations after decoder layer {i}", self.ckpt.root,
+                                        f"model.layers.{i}")
+                if advance:
+                    args[0] = hidden
+                    if isinstance(output, tuple) and "prev_topk_indices" in kwargs:
+                        kwargs["prev_topk_indices"] = output[1]  # GLM-5 DSA: shared-indexer layers reuse it
+
+    def unload(self, i: int) -> None:
+        self.layers[i].to("meta")
