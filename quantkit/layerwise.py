@@ -32,7 +32,9 @@ class _Catcher(torch.nn.Module):
 class LayerWalk:
     """The decoder layers of ``ckpt`` and the hidden states of ``batches`` in front of the next one."""
 
-    def __init__(self, ckpt: Checkpoint, batches: list[torch.Tensor], device: str = "cpu"):
+    def __init__(self, ckpt: Checkpoint, batches: list[torch.Tensor], device: str = "cpu", attention: str = "sdpa"):
+        """``attention``: transformers' attention implementation; GPTQ uses ``eager``, the one
+        llm-compressor forces during calibration, so both see the same activations to the bit."""
         from transformers import AutoModelForCausalLM
 
         from quantkit.modeling import model_config, model_dtype
@@ -41,7 +43,7 @@ class LayerWalk:
         self.dtype = model_dtype(ckpt.config)
         cfg = model_config(ckpt.config)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation=attention)
         base = model.model
         with TensorReader(ckpt) as reader:
             base.embed_tokens.to_empty(device=device)

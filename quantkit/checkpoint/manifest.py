@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +31,17 @@ class ShardRecord(BaseModel):
     size: int = Field(ge=0)
 
 
+class GPTQModuleRecord(BaseModel):
+    """How one INT4 weight of a GPTQ recipe was quantized, and on how much calibration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["gptq", "rtn"]
+    tokens: int = Field(ge=0)  # calibration tokens that reached it (routed to its expert, for experts)
+    loss: float | None = None  # GPTQ's reported loss
+    reason: str | None = None  # why RTN, or how the Hessian was built when not from routed tokens
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -42,6 +54,9 @@ class Manifest(BaseModel):
     max_shard_size: int
     status: ManifestStatus = ManifestStatus.RUNNING
     shards: dict[str, ShardRecord] = Field(default_factory=dict)
+    calibration_sha256: str | None = None  # GPTQ: the calibration tokens and settings
+    gptq_layers: dict[str, ShardRecord] = Field(default_factory=dict)  # finished GPTQ layers (resume)
+    gptq_modules: dict[str, GPTQModuleRecord] = Field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def differences(self, other: "Manifest") -> list[str]:
@@ -51,6 +66,8 @@ class Manifest(BaseModel):
             diffs.append(f"source ({other.source_path} vs {self.source_path})")
         if self.recipe_sha256 != other.recipe_sha256:
             diffs.append(f"recipe ({other.recipe_name} vs {self.recipe_name})")
+        if self.calibration_sha256 != other.calibration_sha256:
+            diffs.append("calibration data")
         if self.plan_sha256 != other.plan_sha256:
             diffs.append("output layout (--max-shard-size or quantkit version)")
         return diffs

@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import threading
 import time
 from collections import Counter
@@ -38,11 +39,13 @@ from quantkit.checkpoint.writer import (
     write_bytes_atomic,
     write_error,
 )
+from quantkit.convert import gptq
 from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan, OutputShard, plan_conversion
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
+GPTQ_DONE = "quantkit.gptq"  # a read-ahead item holding a weight GPTQ already quantized
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
 
 
@@ -63,6 +66,7 @@ class ConvertResult:
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     tensors_by_group: dict[str, int] = field(default_factory=dict)  # recipe group -> weights it took
+    gptq: dict | None = None  # GPTQ recipes: weights by method, tokens per expert, per-layer loss
     skipped_files: list[str] = field(default_factory=list)  # weight files in SRC the index does not own
     warnings: list[str] = field(default_factory=list)
 
@@ -108,7 +112,9 @@ def convert(
     resume: bool = False,
     force: bool = False,
     verify_reused: bool = True,
+    calibration_data: str | os.PathLike | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_gptq_layer: Callable | None = None,
 ) -> ConvertResult:
     """Convert SRC into DST with RECIPE.
 
@@ -118,7 +124,9 @@ def convert(
     :param resume: finish the interrupted run of the same job in DST.
     :param force: replace the quantkit run DST holds (never a folder of other files).
     :param verify_reused: on resume, re-hash each finished shard before keeping it.
+    :param calibration_data: a GPTQ recipe's calibration file, instead of the recipe's own.
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
+    :param on_gptq_layer: ``on_gptq_layer(report, layers)`` after each GPTQ layer (convert/gptq.py).
     """
     started = time.perf_counter()
     if resume and force:
@@ -131,6 +139,9 @@ def convert(
     rec = load_recipe(recipe)
     plan = plan_conversion(ckpt, rec, parse_size(max_shard_size))
     devices = resolve_devices(device)
+    if calibration_data is not None and rec.gptq is None:
+        raise QuantkitError(f"--calibration-data is for GPTQ recipes; {rec.name} is round-to-nearest")
+    batches = gptq_batches(src_path, rec, calibration_data) if rec.gptq else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
 
@@ -142,6 +153,7 @@ def convert(
         recipe_sha256=rec.sha256,
         plan_sha256=plan.digest(),
         max_shard_size=parse_size(max_shard_size),
+        calibration_sha256=gptq.calibration_digest(batches, rec) if batches else None,
     )
     _make_folder(dst_path)
     _refuse_foreign(dst_path)  # before the lock file is created in someone else's folder; again under the lock
@@ -157,9 +169,13 @@ def convert(
             manifest.save(dst_path)
             stats.warn(f"{len(todo)} finished shard(s) differed from the manifest and were written again; "
                        "config.json and the index are rewritten, so KV scales added since must be calibrated again")
+        quantized = None
+        if batches and _needs_gptq(todo, ckpt, plan, rec):
+            quantized = gptq.run_gptq(ckpt, rec, plan, dst_path, manifest, batches, devices, on_gptq_layer)
         if todo or not finished:  # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
-            _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest)
+            _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest, quantized)
             _finish(ckpt, rec, plan, dst_path, manifest)
+        shutil.rmtree(dst_path / gptq.WORK_DIR, ignore_errors=True)  # every GPTQ result is in the shards now
     kinds = Counter(a.kind.value for s in plan.shards for a in s.actions)
     planned = {s.name for s in plan.shards}
     return ConvertResult(
@@ -178,19 +194,56 @@ def convert(
         seconds=time.perf_counter() - started,
         stage_seconds=dict(stats.seconds),
         tensors_by_group={g: plan.weights_by_group[g] for g in rec.config.config_groups},
+        gptq=_gptq_summary(manifest, quantized, ckpt, plan, rec) if rec.gptq else None,
         skipped_files=list(ckpt.skipped_files),
         warnings=list(stats.warnings),
     )
 
 
-def _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest) -> None:
+def gptq_batches(src: Path, rec: Recipe, override: str | os.PathLike | None):
+    """The calibration token batches of a GPTQ recipe: exactly ``samples`` x ``seq_len`` tokens, one
+    sequence per batch (llm-compressor oneshot's default, so Hessians sum in the same order)."""
+    from quantkit.calibration_data import DEFAULT_DATA, load_texts, model_tokenizer, token_batches
+
+    cal = rec.gptq.calibration
+    data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
+    limit = int(open_checkpoint(src).config.get("max_position_embeddings") or cal.seq_len)
+    if cal.seq_len > limit:
+        raise QuantkitError(f"recipe {rec.name}: calibration seq_len {cal.seq_len} exceeds the model's context ({limit})",
+                            src / "config.json")
+    texts = load_texts(data, cal.text_field)
+    return token_batches(model_tokenizer(src), texts, cal.samples, cal.seq_len, 1, data, require_all=True)
+
+
+def _needs_gptq(todo, ckpt, plan, rec) -> bool:
+    targets = {t.module for layer in gptq.gptq_targets(ckpt, plan, rec).values() for t in layer}
+    return any(a.module in targets for s in todo for a in s.actions)
+
+
+def _gptq_summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
+    """What GPTQ did, for the result and ``--json``: weights by method, each layer's loss, the experts' token counts."""
+    int4_modules = [a.module for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
+    records = manifest.gptq_modules
+    methods = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
+    experts = {m: records[m].tokens for m in int4_modules if m in records and ".experts." in m and m.endswith("down_proj")}
+    return {
+        "weights_by_method": dict(methods),
+        "rtn_outside_calibration": sorted(m for m in int4_modules if m not in records),  # MTP layers
+        "rtn_reasons": dict(Counter(r.reason for r in records.values() if r.method == "rtn")),
+        "expert_tokens": {m.removesuffix(".down_proj"): n for m, n in experts.items()},
+        "layers": [vars(r) for r in quantized.layers] if quantized else [],
+        "settings": rec.gptq.model_dump(),
+    }
+
+
+def _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest, quantized=None) -> None:
     import torch
 
     threads = torch.get_num_threads()
     if devices[0] == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
-        _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest)
+        _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest, quantized)
     finally:
         torch.set_num_threads(threads)  # the worker split is convert's own: later work in this process gets all cores
 
@@ -232,6 +285,7 @@ def _prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple
         if not resume:
             raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
         fresh.shards = old.shards
+        fresh.gptq_layers, fresh.gptq_modules = old.gptq_layers, old.gptq_modules
         finished = old.status == ManifestStatus.COMPLETE
     for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
         stale.unlink()
@@ -320,7 +374,7 @@ class _Pipe:
                     return _DONE
 
 
-def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest) -> None:
+def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest, quantized) -> None:
     """Convert the shards still to do, ``workers`` at a time; each finished shard goes into the manifest."""
     lock = threading.Lock()
     slots: queue.Queue[str] = queue.Queue()
@@ -330,7 +384,7 @@ def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, man
     def job(shard: OutputShard) -> None:
         dev = slots.get()
         try:
-            written = _convert_shard(shard, plan, ckpt, dst_path, dev, stats, progress)
+            written = _convert_shard(shard, plan, ckpt, dst_path, dev, stats, progress, quantized)
         finally:
             slots.put(dev)
         with lock:
@@ -348,8 +402,9 @@ def _run_jobs(todo, workers, devices, plan, ckpt, dst_path, stats, progress, man
             raise
 
 
-def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
-    """Three threads per shard: read ahead -> compute (this thread) -> write and hash."""
+def _convert_shard(shard, plan, ckpt, dst, device, stats, progress, quantized=None):
+    """Three threads per shard: read ahead -> compute (this thread) -> write and hash. Weights GPTQ
+    quantized (``quantized``) are read from its layer files instead of computed."""
     entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
     stop = threading.Event()
     loaded, computed = _Pipe(PREFETCH, stop), _Pipe(PREFETCH, stop)
@@ -358,10 +413,14 @@ def _convert_shard(shard, plan, ckpt, dst, device, stats, progress):
 
     def read_ahead():
         try:
+            layer_files: dict = {}
             with TensorReader(ckpt) as reader:
                 for action in shard.actions:
                     t0 = time.perf_counter()
-                    tensors = {name: reader.read(name) for name in action.sources}
+                    if quantized is not None and action.module in quantized.files:
+                        tensors = {GPTQ_DONE: quantized.read(action.module, layer_files)}
+                    else:
+                        tensors = {name: reader.read(name) for name in action.sources}
                     stats.add("read", time.perf_counter() - t0)
                     if not loaded.put((action, tensors)):
                         return
@@ -426,6 +485,11 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         return out
 
     kind, m = action.kind, action.module
+    if GPTQ_DONE in src:  # packed and scale computed by convert/gptq.py; the shape is the plan's
+        out = dict(src[GPTQ_DONE])
+        packed = out[f"{m}.weight_packed"]
+        out[f"{m}.weight_shape"] = torch.tensor([packed.shape[0], packed.shape[1] * 8], dtype=torch.int64)
+        return out
     dtype = getattr(torch, DTYPES[plan.model_dtype][1])
     where = lambda name: ckpt.root / ckpt.tensors[name].file  # noqa: E731
 

@@ -1,9 +1,12 @@
 """Recipes: llm-compressor's YAML format, read into compressed-tensors' own config models.
 
-A recipe is the QuantizationModifier of an llm-compressor recipe (``config_groups`` or
-``scheme`` + ``targets``, ``ignore``, ``kv_cache_scheme``), so a user's existing recipe works.
-We parse the YAML ourselves rather than import llm-compressor (seconds of import time for a
-dictionary walk); a test holds the result equal to llm-compressor's own parsing.
+A recipe is the QuantizationModifier or GPTQModifier of an llm-compressor recipe
+(``config_groups`` or ``scheme`` + ``targets``, ``ignore``, ``kv_cache_scheme``; GPTQ adds
+``block_size``, ``dampening_frac``, ``actorder``), so a user's existing recipe works. GPTQ needs
+calibration data, which llm-compressor takes from ``oneshot``'s arguments; a quantkit recipe
+carries it in a top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader
+passes over. We parse the YAML ourselves rather than import llm-compressor (seconds of import
+time for a dictionary walk); a test holds the result equal to llm-compressor's own parsing.
 """
 
 from __future__ import annotations
@@ -21,14 +24,45 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 from compressed_tensors.utils.match import match_name
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import QuantkitError, field_error
 from quantkit.packaged import recipe_path
 from quantkit.yaml_file import load_yaml_with_bytes
 
-# Modifiers whose algorithm needs calibration data; quantkit's converter is round-to-nearest.
-DATA_DEPENDENT = ("GPTQModifier", "AWQModifier", "SmoothQuantModifier", "AutoRoundModifier")
+MODIFIERS = ("QuantizationModifier", "GPTQModifier")
+# Modifiers quantkit does not implement: refused by name rather than silently read as RTN.
+UNSUPPORTED = ("AWQModifier", "SmoothQuantModifier", "AutoRoundModifier", "SparseGPTModifier")
+CALIBRATION_KEY = "quantkit_calibration"
+# GPTQModifier's own fields besides the quantization config (llm-compressor 0.14 modifiers/gptq/base.py).
+_GPTQ_FIELDS = ("block_size", "dampening_frac", "actorder", "batched_quantization")
+
+
+class Calibration(BaseModel):
+    """Where GPTQ's calibration tokens come from and how experts that few tokens reach are treated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str | None = None  # JSON-lines or text file; None: quantkit's built-in GSM8K-train text
+    text_field: str = "text"
+    samples: int = Field(64, ge=1, le=1_000_000)
+    seq_len: int = Field(256, ge=8, le=1_048_576)
+    # routed: each expert's Hessian from the tokens the router sends it; experts that get fewer
+    # than min_expert_tokens fall back to round-to-nearest. all: every calibration token goes
+    # through every expert for the Hessian (MoE-Quant's choice), so no expert goes uncalibrated.
+    experts: str = Field("routed", pattern="^(routed|all)$")
+    min_expert_tokens: int = Field(16, ge=1)
+
+
+class GPTQSettings(BaseModel):
+    """GPTQModifier's algorithm settings; ``actorder`` is off or static, so outputs carry no g_idx."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(128, ge=1)
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+    actorder: str | None = "static"  # llm-compressor's default
+    calibration: Calibration = Field(default_factory=Calibration)
 
 
 @dataclass(frozen=True)
@@ -36,6 +70,15 @@ class Recipe:
     name: str
     sha256: str
     config: QuantizationConfig  # status "initialized": the compressed form is built at save time
+    path: Path | None = None
+    gptq: GPTQSettings | None = None  # set when the recipe's modifier is a GPTQModifier
+
+    def calibration_data(self) -> Path | None:
+        """The GPTQ calibration file: a relative path reads from the recipe's folder."""
+        if self.gptq is None or self.gptq.calibration.dataset is None:
+            return None
+        data = Path(self.gptq.calibration.dataset).expanduser()
+        return data if data.is_absolute() or self.path is None else self.path.parent / data
 
     def groups_for(self, module: str, is_linear: bool) -> list[tuple[str, QuantizationScheme]]:
         """Every config group that targets ``module`` (none when ``ignore`` does): a recipe is
@@ -55,27 +98,66 @@ def load_recipe(recipe: str | Path) -> Recipe:
     """A recipe file, or a built-in recipe by name, as compressed-tensors' config (every target regex checked)."""
     path = recipe_path(recipe)
     doc, raw = load_yaml_with_bytes(path, "recipe")
-    modifier = _find_modifier(doc, path)
-    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=_build_config(modifier, path))
+    calibration = doc.pop(CALIBRATION_KEY, None) if isinstance(doc, dict) else None
+    kind, modifier = _find_modifier(doc, path)
+    config = _build_config(modifier, path)
+    gptq = None
+    if kind == "GPTQModifier":
+        gptq = _gptq_settings(modifier, calibration, path)
+        _check_gptq_schemes(config, path)
+    elif calibration is not None:
+        raise QuantkitError(f"{CALIBRATION_KEY} is only read for a GPTQModifier recipe", path)
+    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=config, path=path, gptq=gptq)
 
 
-def _find_modifier(node, path: Path) -> dict:
-    found: list[dict] = []
+def _find_modifier(node, path: Path) -> tuple[str, dict]:
+    found: list[tuple[str, dict]] = []
 
     def walk(n):
         if isinstance(n, dict):
             for key, value in n.items():
-                if key in DATA_DEPENDENT:
-                    raise QuantkitError(f"{key} needs calibration data; quantkit convert applies RTN recipes", path)
-                if key == "QuantizationModifier" and isinstance(value, dict):
-                    found.append(value)
+                if key in UNSUPPORTED:
+                    raise QuantkitError(f"{key} is not implemented by quantkit (it applies QuantizationModifier "
+                                        "and GPTQModifier recipes)", path)
+                if key in MODIFIERS and isinstance(value, dict):
+                    found.append((key, value))
                 else:
                     walk(value)
 
     walk(node)
     if len(found) != 1:
-        raise QuantkitError(f"expected exactly one QuantizationModifier, found {len(found)}", path)
+        raise QuantkitError(f"expected exactly one QuantizationModifier or GPTQModifier, found {len(found)}", path)
     return found[0]
+
+
+def _gptq_settings(modifier: dict, calibration, path: Path) -> GPTQSettings:
+    fields = {k: modifier[k] for k in _GPTQ_FIELDS if k in modifier and k != "batched_quantization"}
+    if modifier.get("dampening_frac", 0.01) is None:
+        raise QuantkitError("invalid GPTQModifier: dampening_frac must be a number (GPTQ needs dampening)", path)
+    actorder = fields.get("actorder", "static")
+    if actorder not in (None, False, "static"):
+        raise QuantkitError(f"GPTQModifier actorder {actorder!r}: only static or none; 'group' and 'weight' orders "
+                            "need a g_idx the INT4 serving kernels' group rules do not take", path)
+    fields["actorder"] = actorder or None
+    try:
+        return GPTQSettings(**fields, calibration=Calibration.model_validate(calibration or {}))
+    except ValidationError as exc:
+        where = "GPTQModifier" if any(e["loc"][0] != "calibration" for e in exc.errors()) else CALIBRATION_KEY
+        raise QuantkitError(f"invalid {where}: {field_error(exc)}", path) from exc
+
+
+def _check_gptq_schemes(config: QuantizationConfig, path: Path) -> None:
+    """GPTQ here produces the INT4 pack-quantized format; an activation order in a group is refused like the modifier's."""
+    for name, scheme in config.config_groups.items():
+        w = scheme.weights
+        if w is None or w.type != "int" or w.num_bits != 4 or not w.symmetric or w.strategy not in ("group", "channel"):
+            raise QuantkitError(f"GPTQModifier group {name}: quantkit's GPTQ writes INT4 symmetric group/channel "
+                                "weights only", path)
+        if w.actorder not in (None, "static"):
+            raise QuantkitError(f"GPTQModifier group {name}: actorder {w.actorder!r} is refused (it needs a g_idx)", path)
+        # The order is the modifier's processing detail (GPTQSettings.actorder); the written format is the
+        # RTN path's, whose config carries no actorder.
+        w.actorder = None
 
 
 def _build_config(mod: dict, path: Path) -> QuantizationConfig:

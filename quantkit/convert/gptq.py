@@ -1,0 +1,361 @@
+"""GPTQ for a recipe's INT4 weights, streamed one decoder layer at a time from the source.
+
+For each decoder layer (quantkit.layerwise): decode its weights from the source, run the
+calibration hidden states through it while collecting each targeted weight's Hessian, quantize
+with llm-compressor's own GPTQ (``quantize_weight``; same-shape weights such as one layer's
+experts in batches), put the quantized weights back and run the inputs again to get the next
+layer's inputs, so errors propagate as in llm-compressor's sequential pipeline. Peak memory: one
+decoded layer, its Hessians and the hidden states.
+
+Each finished layer's packed weights and scales go to ``DST/.quantkit-gptq/layer-NNNNN.safetensors``
+and into the manifest, so a killed run redoes no finished layer: the inputs of the next layer are
+recomputed from the finished layers' quantized weights (a forward pass, no GPTQ), which gives the
+same bits as the uninterrupted run. The shard pipeline then writes these tensors where RTN would
+have written its own, so the output format is the RTN path's to the byte.
+
+MoE experts: an expert's gate and up share one Hessian (same input), its down has its own. With
+``experts: routed`` each expert's Hessian comes from the tokens the router sends it and an expert
+that gets fewer than ``min_expert_tokens`` is quantized round-to-nearest; with ``experts: all``
+every calibration token goes through every expert for the Hessian (MoE-Quant's choice). The
+manifest records, per weight, the method, the routed token count and GPTQ's loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
+from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.writer import sha256_file, write_safetensors
+from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
+from quantkit.errors import QuantkitError
+from quantkit.formats import int4
+from quantkit.formats.recipe import Recipe
+
+WORK_DIR = ".quantkit-gptq"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+
+
+@dataclass
+class Target:
+    """One INT4 weight GPTQ quantizes: its on-disk module name and what the recipe asks for it."""
+
+    module: str  # model.layers.N.<rel>
+    rel: str  # name inside the decoder layer
+    group_size: int
+    args: object  # compressed-tensors QuantizationArgs
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    seconds: float
+    weights: int
+    loss: float  # sum of GPTQ's losses over the layer's weights
+    rtn: int  # weights that fell back to round-to-nearest
+    reused: bool = False
+
+
+@dataclass
+class GPTQResult:
+    """Where each GPTQ-quantized module's packed weight and scale wait for the shard pipeline."""
+
+    files: dict[str, Path] = field(default_factory=dict)  # module -> layer file
+    layers: list[LayerReport] = field(default_factory=list)
+
+    def read(self, module: str, reader_cache: dict) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        path = self.files[module]
+        if path not in reader_cache:
+            reader_cache.clear()  # layers are visited in order: one open file at a time
+            reader_cache[path] = safe_open(str(path), framework="pt")
+        f = reader_cache[path]
+        return {f"{module}.weight_packed": f.get_tensor(f"{module}.weight_packed"),
+                f"{module}.weight_scale": f.get_tensor(f"{module}.weight_scale")}
+
+
+def gptq_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict[int, list[Target]]:
+    """Decoder layer -> the INT4 weights GPTQ quantizes in it. Layers transformers does not build
+    (a GLM / DeepSeek MTP layer) are not reached by the calibration forward and stay RTN."""
+    layers = int(ckpt.config["num_hidden_layers"])
+    out: dict[int, list[Target]] = {}
+    for shard in plan.shards:
+        for action in shard.actions:
+            if action.kind != ActionKind.INT4:
+                continue
+            m = _LAYER.match(action.module)
+            if m is None or int(m.group(1)) >= layers:
+                continue
+            scheme = recipe.config.config_groups[action.group]
+            out.setdefault(int(m.group(1)), []).append(Target(action.module, m.group(2), action.group_size, scheme.weights))
+    return dict(sorted(out.items()))
+
+
+def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
+    """Identifies the calibration: the token ids and the GPTQ settings (a resumed run must use the same)."""
+    h = hashlib.sha256(recipe.gptq.model_dump_json().encode())
+    for b in batches:
+        h.update(json.dumps(list(b.shape)).encode())
+        h.update(b.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_gptq(
+    ckpt: Checkpoint,
+    recipe: Recipe,
+    plan: ConversionPlan,
+    dst: Path,
+    manifest: Manifest,
+    batches: list[torch.Tensor],
+    devices: list[str],
+    on_layer: Callable[[LayerReport, int], None] | None = None,
+) -> GPTQResult:
+    """Quantize every GPTQ target layer by layer; finished layers recorded in ``manifest`` are kept."""
+    from quantkit.layerwise import LayerWalk
+
+    targets = gptq_targets(ckpt, plan, recipe)
+    work = dst / WORK_DIR
+    work.mkdir(exist_ok=True)
+    result = GPTQResult()
+    if not targets:
+        return result
+    walk = LayerWalk(ckpt, batches, devices[0], attention="eager")
+    last = max(targets)
+    with TensorReader(ckpt) as reader:
+        for i in range(last + 1):
+            started = time.perf_counter()
+            layer_targets = targets.get(i, [])
+            path = work / f"layer-{i:05d}.safetensors"
+            state = walk.read_layer(i, reader)
+            reused = _finished(path, manifest, i)
+            if layer_targets and not reused:
+                layer = walk.load(i, state)
+                records = _quantize_layer(walk, i, layer, state, layer_targets, recipe, devices)
+                del layer
+                tensors = {}
+                for t in layer_targets:
+                    tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
+                    tensors[f"{t.module}.weight_scale"] = records[t.module].pop("scale")
+                meta = {t.module: GPTQModuleRecord(**records[t.module]).model_dump() for t in layer_targets}
+                written = write_safetensors(path, tensors, {"format": "pt", "quantkit_gptq": json.dumps(meta)})
+                manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
+                manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
+                manifest.save(dst)
+            if layer_targets:
+                _substitute(path, layer_targets, state)
+            if i < last:  # the next layer's inputs, through this layer as it will be served
+                layer = walk.load(i, state)
+                walk.run(i, layer)
+            del state
+            walk.unload(i)
+            if layer_targets:
+                for t in layer_targets:
+                    result.files[t.module] = path
+                recs = [manifest.gptq_modules[t.module] for t in layer_targets]
+                report = LayerReport(i, time.perf_counter() - started, len(recs), sum(r.loss or 0.0 for r in recs),
+                                     sum(r.method == "rtn" for r in recs), reused)
+                result.layers.append(report)
+                if on_layer:
+                    on_layer(report, len(targets))
+    return result
+
+
+def _finished(path: Path, manifest: Manifest, i: int) -> bool:
+    record = manifest.gptq_layers.get(str(i))
+    return (record is not None and path.is_file() and path.stat().st_size == record.size
+            and sha256_file(path) == record.sha256)
+
+
+def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor]) -> None:
+    """Replace the targets' source weights in ``state`` by their quantized values (as the engine will see them)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for t in targets:
+            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), tuple(state[f"{t.module}.weight"].shape))
+            state[f"{t.module}.weight"] = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
+
+
+class _Hessians:
+    """Running sums of X^T X per key, with llm-compressor's accumulate_hessian and its sample counts."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.sums: dict = {}
+        self.counts: dict = {}
+        self.tokens: dict = {}
+        self._linear = torch.nn.Linear(1, 1, device="meta")  # accumulate_hessian reshapes by module type
+
+    def add(self, key, inp: torch.Tensor, module: torch.nn.Module | None = None, tokens: int | None = None) -> None:
+        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+
+        if key not in self.sums:
+            self.sums[key] = torch.zeros((inp.shape[-1], inp.shape[-1]), device=self.device, dtype=torch.float32)
+            self.counts[key] = torch.zeros((), device=self.device)
+            self.tokens[key] = 0
+        self.sums[key], self.counts[key] = accumulate_hessian(inp, module or self._linear, self.sums[key], self.counts[key])
+        self.tokens[key] += tokens if tokens is not None else inp.numel() // inp.shape[-1]
+
+    def normalized(self, key) -> torch.Tensor:
+        return self.sums.pop(key) / self.counts.pop(key)  # llm-compressor's prepare_batch
+
+
+def _quantize_layer(walk, i, layer, state, targets, recipe, devices) -> dict[str, dict]:
+    """Collect the layer's Hessians on the calibration inputs, then GPTQ every target; returns per module
+    the packed weight, scale and record, and leaves the quantized weights in ``state``."""
+    cal = recipe.gptq.calibration
+    hessians = _Hessians(walk.device)
+    handles = []
+    dense = [t for t in targets if not _EXPERT.match(t.rel)]
+    experts = [t for t in targets if _EXPERT.match(t.rel)]
+    for t in dense:
+        module = layer.get_submodule(t.rel)
+        if not isinstance(module, torch.nn.Linear):
+            raise QuantkitError(f"GPTQ target is a {type(module).__name__} in the transformers model, not a Linear",
+                                walk.ckpt.root, t.module)
+        handles.append(module.register_forward_hook(lambda mod, args, _out, key=t.rel: hessians.add(key, args[0], mod)))
+    routed: dict[int, int] = {}
+    if experts:
+        experts_module = layer.get_submodule("mlp.experts")
+        wanted = sorted({int(_EXPERT.match(t.rel).group(1)) for t in experts})
+        handles.append(experts_module.register_forward_pre_hook(
+            lambda mod, args: _expert_hessians(mod, args, wanted, cal, hessians, routed)))
+    try:
+        walk.run(i, layer, advance=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    jobs = []  # (target, hessian key, tokens, reason)
+    for t in dense:
+        tokens = hessians.tokens.get(t.rel, 0)
+        jobs.append((t, t.rel, tokens, None) if tokens else (t, None, 0, "not reached by the calibration forward"))
+    for t in experts:
+        e, proj = int(_EXPERT.match(t.rel).group(1)), _EXPERT.match(t.rel).group(2)
+        tokens = routed.get(e, 0)
+        if cal.experts == "all":
+            key = "all_tokens" if proj != "down" else (e, "down")
+            jobs.append((t, key, tokens, "Hessian from every calibration token (experts: all)"))
+        elif tokens < cal.min_expert_tokens:
+            jobs.append((t, None, tokens, f"{tokens} routed token(s) < min_expert_tokens {cal.min_expert_tokens}"))
+        else:
+            jobs.append((t, (e, "gate_up") if proj != "down" else (e, "down"), tokens, None))
+    return _quantize_jobs(jobs, hessians, state, recipe, devices)
+
+
+def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, routed: dict[int, int]) -> None:
+    """Forward pre-hook on a fused experts module (hidden_states [T, H], top_k_index [T, k], weights)."""
+    x, top_k = args[0], args[1]
+    everyone = cal.experts == "all"
+    if everyone:
+        hessians.add("all_tokens", x)
+    for e in wanted:
+        chosen = (top_k == e).any(dim=-1)
+        n = int(chosen.sum())
+        routed[e] = routed.get(e, 0) + n
+        xe = x if everyone else x[chosen]
+        if xe.shape[0] == 0:
+            continue
+        if not everyone:
+            hessians.add((e, "gate_up"), xe)
+        # the down projection's input exactly as the experts' forward computes it
+        gate, up = torch.nn.functional.linear(xe, mod.gate_up_proj[e]).chunk(2, dim=-1)
+        hessians.add((e, "down"), mod.act_fn(gate) * up, tokens=xe.shape[0])
+
+
+def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[str, dict]:
+    settings = recipe.gptq
+    out: dict[str, dict] = {}
+    shared = {}  # a Hessian several weights use (gate and up of one expert, every expert under experts: all)
+    users: dict = {}
+    for _, key, _, _ in jobs:
+        if key is not None:
+            users[key] = users.get(key, 0) + 1
+    batches: dict[tuple, list] = {}
+    for job in jobs:
+        t, key, tokens, reason = job
+        w = state[f"{t.module}.weight"]
+        if key is None:
+            q, scale = int4.quantize_int4(w, t.group_size)
+            out[t.module] = _record(q, scale, "rtn", tokens, None, reason)
+            state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
+            continue
+        batches.setdefault((tuple(w.shape), t.group_size, t.args.model_dump_json()), []).append(job)
+
+    def hessian(key):
+        if key not in shared:
+            shared[key] = hessians.normalized(key)
+        h = shared[key]
+        users[key] -= 1
+        if users[key] == 0:
+            del shared[key]
+        return h
+
+    work = []
+    for group in batches.values():
+        cap = _batch_cap(group[0], state, devices)
+        for start in range(0, len(group), cap):
+            chunk = group[start:start + cap]
+            work.append((chunk, torch.stack([hessian(key) for _, key, _, _ in chunk])))
+
+    def run(index: int):
+        chunk, hs = work[index]
+        device = devices[index % len(devices)]
+        t0 = chunk[0][0]
+        ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device)
+        q, scale, losses, fallback = _gptq(ws, hs.to(device), t0, settings)
+        del ws
+        return [(job, q[k].cpu(), scale[k].cpu(), float(losses[k]), bool(fallback[k])) for k, job in enumerate(chunk)]
+
+    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        for results in pool.map(run, range(len(work))):
+            for (t, _, tokens, reason), q, scale, loss, fallback in results:
+                method = "rtn" if fallback else "gptq"
+                if fallback:
+                    reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
+                out[t.module] = _record(q, scale, method, tokens, loss, reason)
+                state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
+    return out
+
+
+def _record(q, scale, method, tokens, loss, reason) -> dict:
+    return {"packed": int4.pack_int4(q), "scale": scale, "method": method, "tokens": int(tokens),
+            "loss": loss, "reason": reason}
+
+
+def _batch_cap(job, state, devices) -> int:
+    """How many same-shape weights one quantize_weight call takes: one on CPU (as llm-compressor does,
+    and the order of the arithmetic then matches it), as many as fit in a quarter of free memory on a GPU."""
+    if not devices[0].startswith("cuda"):
+        return 1
+    rows, cols = state[f"{job[0].module}.weight"].shape
+    per = 4 * (cols * cols + 3 * rows * cols + 4 * rows * 128)
+    free, _ = torch.cuda.mem_get_info(torch.device(devices[0]))
+    return max(1, min(64, int(free * 0.25) // per))
+
+
+def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):
+    """llm-compressor's quantize_weight on a batch, with quantkit's INT4 scales (compressed-tensors'
+    symmetric rule, equal to llm-compressor's observer) -> (q int8, scale, losses, RTN-fallback flags)."""
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    gs = target.group_size
+    scale = torch.stack([int4.quantize_int4(w, gs)[1] for w in ws])  # from the weights as decoded (model dtype)
+    args = target.args.model_copy(update={"actorder": settings.actorder})
+    # fp32 in, as llm-compressor's prepare_batch stacks them: the result comes back in fp32 too
+    fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, torch.zeros_like(scale, dtype=torch.int8), None, args,
+                                           blocksize=settings.block_size, percdamp=settings.dampening_frac)
+    # fq holds q * scale exactly in fp32, so dividing by the same scale gives q back exactly
+    q = fq.div_(scale.float().repeat_interleave(gs, dim=-1)).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
+    return q, scale, losses, fallback
