@@ -16,8 +16,9 @@ from quantkit.errors import QuantkitError
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "calibration.jsonl"  # GSM8K train text
 
 
-def load_texts(path: Path, text_field: str = "text") -> list[str]:
-    """The texts of a JSON-lines file (one ``text_field`` per line) or of a text file (paragraphs)."""
+def load_texts(path: Path, text_field: str = "text") -> list[str] | list[list[int]]:
+    """The texts of a JSON-lines file (one ``text_field`` per line) or of a text file (paragraphs); a
+    JSON-lines file whose rows hold ``input_ids`` instead gives those token ids (already tokenized)."""
     if not path.is_file():
         raise QuantkitError("calibration data not found", path)
     raw = path.read_text(encoding="utf-8", errors="replace")
@@ -30,9 +31,19 @@ def load_texts(path: Path, text_field: str = "text") -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise QuantkitError(f"line {n}: invalid JSON ({exc.msg})", path) from exc
+            if isinstance(row, dict) and text_field not in row and "input_ids" in row:
+                ids = row["input_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise QuantkitError(f"line {n}: input_ids must be a list of token ids", path)
+                texts.append(ids)
+                continue
             if not isinstance(row, dict) or text_field not in row:
                 raise QuantkitError(f"line {n}: no field {text_field!r} (use --text-field)", path)
             texts.append(str(row[text_field]))
+        if len({isinstance(t, list) for t in texts}) > 1:
+            raise QuantkitError("mixes text and input_ids rows", path)
+        if texts and isinstance(texts[0], list):
+            return texts
     else:
         texts = [p for p in raw.split("\n\n")]
     texts = [t for t in texts if t.strip()]
@@ -41,15 +52,18 @@ def load_texts(path: Path, text_field: str = "text") -> list[str]:
     return texts
 
 
-def token_batches(tokenizer, texts: list[str], samples: int, seq_len: int, batch_size: int, source: Path,
+def token_batches(tokenizer, texts: list, samples: int, seq_len: int, batch_size: int, source: Path,
                   require_all: bool = False) -> list[torch.Tensor]:
     """``samples`` sequences of ``seq_len`` tokens in batches; with ``require_all`` fewer is an error
     (GPTQ's result depends on exactly the tokens asked for), otherwise what the data holds is used."""
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids: list[int] = []
     need = samples * seq_len
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        if isinstance(text, list):  # already token ids: used as given, no EOS added
+            ids.extend(text)
+        else:
+            eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
         if len(ids) >= need:
             break
     usable = len(ids) // seq_len

@@ -141,7 +141,7 @@ def convert(
     devices = resolve_devices(device)
     if calibration_data is not None and rec.gptq is None:
         raise QuantkitError(f"--calibration-data is for GPTQ recipes; {rec.name} is round-to-nearest")
-    batches = gptq_batches(src_path, rec, calibration_data) if rec.gptq else None
+    batches = gptq_batches(ckpt, rec, calibration_data) if rec.gptq else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
 
@@ -200,19 +200,25 @@ def convert(
     )
 
 
-def gptq_batches(src: Path, rec: Recipe, override: str | os.PathLike | None):
+def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):
     """The calibration token batches of a GPTQ recipe: exactly ``samples`` x ``seq_len`` tokens, one
     sequence per batch (llm-compressor oneshot's default, so Hessians sum in the same order)."""
     from quantkit.calibration_data import DEFAULT_DATA, load_texts, model_tokenizer, token_batches
 
     cal = rec.gptq.calibration
     data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
-    limit = int(open_checkpoint(src).config.get("max_position_embeddings") or cal.seq_len)
+    limit = int(ckpt.config.get("max_position_embeddings") or cal.seq_len)
     if cal.seq_len > limit:
         raise QuantkitError(f"recipe {rec.name}: calibration seq_len {cal.seq_len} exceeds the model's context ({limit})",
-                            src / "config.json")
+                            ckpt.root / "config.json")
     texts = load_texts(data, cal.text_field)
-    return token_batches(model_tokenizer(src), texts, cal.samples, cal.seq_len, 1, data, require_all=True)
+    tokenizer = None if isinstance(texts[0], list) else model_tokenizer(ckpt.root)
+    batches = token_batches(tokenizer, texts, cal.samples, cal.seq_len, 1, data, require_all=True)
+    vocab = int(ckpt.config.get("vocab_size") or 0)
+    if vocab and max(int(b.max()) for b in batches) >= vocab:
+        raise QuantkitError(f"token id {max(int(b.max()) for b in batches)} is outside the model's vocabulary ({vocab})",
+                            data)
+    return batches
 
 
 def _needs_gptq(todo, ckpt, plan, rec) -> bool:

@@ -47,10 +47,11 @@ class Calibration(BaseModel):
     text_field: str = "text"
     samples: int = Field(64, ge=1, le=1_000_000)
     seq_len: int = Field(256, ge=8, le=1_048_576)
-    # routed: each expert's Hessian from the tokens the router sends it; experts that get fewer
-    # than min_expert_tokens fall back to round-to-nearest. all: every calibration token goes
-    # through every expert for the Hessian (MoE-Quant's choice), so no expert goes uncalibrated.
-    experts: str = Field("routed", pattern="^(routed|all)$")
+    # all: every calibration token goes through every expert for the Hessian, so no expert goes
+    # uncalibrated (llm-compressor 0.14's default, moe_calibrate_all_experts=True; MoE-Quant's choice).
+    # routed: each expert's Hessian from the tokens the router sends it; an expert that gets fewer
+    # than min_expert_tokens falls back to round-to-nearest.
+    experts: str = Field("all", pattern="^(routed|all)$")
     min_expert_tokens: int = Field(16, ge=1)
 
 
