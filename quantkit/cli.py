@@ -157,14 +157,16 @@ def convert_cmd(
     resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run in DST.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the quantkit run DST holds.")] = False,
     verify_reused: Annotated[bool, typer.Option("--verify-reused/--trust-manifest", help="--resume: re-hash the finished shards it keeps.")] = True,
+    calibration_data: Annotated[Optional[Path], typer.Option(help="GPTQ recipes: calibration .jsonl (text or input_ids rows) or .txt instead of the recipe's.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe."""
+    """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe (RTN or GPTQ)."""
     from quantkit.convert import convert
 
     with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
         result = convert(src, dst, recipe, device=device, workers=workers, max_shard_size=max_shard_size,
-                         resume=resume, force=force, verify_reused=verify_reused, on_progress=on_progress)
+                         resume=resume, force=force, verify_reused=verify_reused, calibration_data=calibration_data,
+                         on_progress=on_progress, on_gptq_layer=None if json_out else _GPTQLayerLog())
     if json_out:
         _emit_json(result)
         return
@@ -180,6 +182,33 @@ def convert_cmd(
         out.print(f"  [yellow]not copied[/]: {name} (a weight file the index does not list)", highlight=False)
     for warning in result.warnings:
         out.print(f"  [yellow]warning[/]: {warning}", highlight=False)
+    if result.gptq:
+        methods = ", ".join(f"{k} {v}" for k, v in result.gptq["weights_by_method"].items())
+        out.print(f"  GPTQ: {methods} weight(s); details per weight in DST's quantkit-manifest.json", highlight=False)
+        for reason, n in result.gptq["rtn_reasons"].items():
+            out.print(f"  round-to-nearest: {n} x {reason}", highlight=False)
+        if result.gptq["rtn_outside_calibration"]:
+            out.print(f"  round-to-nearest: {len(result.gptq['rtn_outside_calibration'])} weight(s) outside the "
+                      "calibration forward (MTP layers)", highlight=False)
+
+
+class _GPTQLayerLog:
+    """One line per GPTQ layer on stderr: its time, loss, RTN fallbacks and the ETA of the rest."""
+
+    def __init__(self):
+        self.seen = 0
+        self.times: list[float] = []  # layers quantized in this run (kept ones cost only a forward)
+
+    def __call__(self, report, layers: int) -> None:
+        self.seen += 1
+        eta = ""
+        if not report.reused:
+            self.times.append(report.seconds)
+        if self.times and self.seen < layers:
+            eta = f", ETA {(layers - self.seen) * sum(self.times) / len(self.times) / 60:.1f} min"
+        state = "kept from the interrupted run" if report.reused else f"{report.seconds:.1f}s, loss {report.loss:.4g}"
+        rtn = f", {report.rtn} weight(s) RTN" if report.rtn else ""
+        err.print(f"GPTQ layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{eta}", highlight=False)
 
 
 @command("calibrate-kv")

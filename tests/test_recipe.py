@@ -13,14 +13,24 @@ BUILT_IN = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 def test_parsing_equals_llm_compressor(name):
     from llmcompressor.recipe import Recipe as LlmcRecipe
 
-    theirs = LlmcRecipe.create_instance(str(recipes_dir() / f"{name}.yaml")).modifiers[0].resolve_quantization_config()
-    ours = load_recipe(name).config
+    modifier = LlmcRecipe.create_instance(str(recipes_dir() / f"{name}.yaml")).modifiers[0]
+    theirs = modifier.resolve_quantization_config()
+    recipe = load_recipe(name)
+    ours = recipe.config
+    assert (recipe.gptq is not None) == (type(modifier).__name__ == "GPTQModifier")
+    if recipe.gptq is not None:
+        assert recipe.gptq.block_size == modifier.block_size
+        assert recipe.gptq.dampening_frac == modifier.dampening_frac
+        # llm-compressor resolves the modifier's actorder into each group; quantkit keeps it as the
+        # modifier's setting and writes the groups without it (the format has no g_idx either way)
+        assert all(g.weights.actorder == recipe.gptq.actorder for g in theirs.config_groups.values())
     assert list(ours.config_groups) == list(theirs.config_groups)
     for group, scheme in ours.config_groups.items():
         other = theirs.config_groups[group]
         assert scheme.targets == other.targets
         assert scheme.format == other.format
-        assert scheme.weights.model_dump(exclude={"observer"}) == other.weights.model_dump(exclude={"observer"})
+        assert scheme.weights.model_dump(exclude={"observer", "actorder"}) == \
+            other.weights.model_dump(exclude={"observer", "actorder"})
         assert (scheme.input_activations is None) == (other.input_activations is None)
     assert list(ours.ignore) == list(theirs.ignore)
 
@@ -46,8 +56,14 @@ def test_first_matching_group_wins_and_ignore_beats_targets():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("GPTQModifier:\n  scheme: W4A16\n", "needs calibration data"),
-        ("foo: 1\n", "exactly one QuantizationModifier"),
+        ("AWQModifier:\n  scheme: W4A16\n", "AWQModifier is not implemented"),
+        ("GPTQModifier:\n  scheme: W4A16\n  actorder: group\n", "actorder 'group': only static or none"),
+        ("GPTQModifier:\n  scheme: W8A8\n", "INT4 symmetric group/channel weights only"),
+        ("quantkit_calibration: {samples: 0}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: samples"),
+        ("quantkit_calibration: {experts: some}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: experts"),
+        ("quantkit_calibration: {sample: 3}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: sample"),
+        ("quantkit_calibration: {}\nQuantizationModifier:\n  scheme: W4A16\n", "only read for a GPTQModifier"),
+        ("foo: 1\n", "exactly one QuantizationModifier or GPTQModifier"),
         ("QuantizationModifier:\n  ignore: []\n", "neither config_groups nor scheme"),
         ("QuantizationModifier:\n  config_groups:\n    g:\n      targets: [Linear]\n      weights: {num_bits: 4, type: banana}\n",
          "invalid QuantizationModifier"),

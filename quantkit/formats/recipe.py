@@ -141,10 +141,13 @@ def _gptq_settings(modifier: dict, calibration, path: Path) -> GPTQSettings:
                             "need a g_idx the INT4 serving kernels' group rules do not take", path)
     fields["actorder"] = actorder or None
     try:
-        return GPTQSettings(**fields, calibration=Calibration.model_validate(calibration or {}))
+        settings = Calibration.model_validate(calibration or {})
     except ValidationError as exc:
-        where = "GPTQModifier" if any(e["loc"][0] != "calibration" for e in exc.errors()) else CALIBRATION_KEY
-        raise QuantkitError(f"invalid {where}: {field_error(exc)}", path) from exc
+        raise QuantkitError(f"invalid {CALIBRATION_KEY}: {field_error(exc)}", path) from exc
+    try:
+        return GPTQSettings(**fields, calibration=settings)
+    except ValidationError as exc:
+        raise QuantkitError(f"invalid GPTQModifier: {field_error(exc)}", path) from exc
 
 
 def _check_gptq_schemes(config: QuantizationConfig, path: Path) -> None:

@@ -1,0 +1,298 @@
+"""GPTQ: llm-compressor's own algorithm, streamed one decoder layer at a time.
+
+The weights equal llm-compressor oneshot(GPTQModifier)'s to the bit on the real SmolLM2; on
+synthetic GLM-5 and DeepSeek-V3 checkpoints GPTQ lowers every MoE layer's output error on
+held-out tokens below round-to-nearest's; an expert the router never picks is handled as the
+recipe says and recorded; a run killed after any layer resumes to the same bytes; the output
+has the RTN recipe's format exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from quantkit.checkpoint.manifest import load_manifest
+from quantkit.checkpoint.reader import TensorReader, open_checkpoint
+from quantkit.convert import convert, gptq_batches
+from quantkit.convert.gptq import WORK_DIR
+from quantkit.errors import QuantkitError
+from quantkit.examples.synthetic import build_synthetic
+from quantkit.formats.recipe import load_recipe
+from quantkit.layerwise import LayerWalk
+from quantkit.packaged import recipes_dir
+from tests.conftest import tree_bytes
+
+RTN_FOR = {"glm_moe_dsa": "glm5-int4-experts-g32", "deepseek_v3": "deepseek-v3-int4-experts-g32"}
+GPTQ_FOR = {"glm_moe_dsa": "glm5-int4-experts-gptq-g32", "deepseek_v3": "deepseek-v3-int4-experts-gptq-g32"}
+UNROUTED = ("model.layers.1.mlp.gate.e_score_correction_bias", 5)  # the router bias that keeps expert 5 away
+
+
+def small_recipe(tmp: Path, base: str, name: str, **calibration) -> Path:
+    """A built-in GPTQ recipe with its quantkit_calibration replaced (samples, seq_len, dataset, experts...)."""
+    text = (recipes_dir() / f"{base}.yaml").read_text()
+    head, _, rest = text.partition("quantkit_calibration:\n")
+    body = rest[rest.index("quant_stage:"):]
+    lines = "".join(f"  {k}: {v}\n" for k, v in calibration.items())
+    path = tmp / f"{name}.yaml"
+    path.write_text(f"{head}quantkit_calibration:\n{lines}{body}")
+    return path
+
+
+def token_file(path: Path, rows: int, length: int, seed: int, vocab: int = 512) -> Path:
+    gen = torch.Generator().manual_seed(seed)
+    path.write_text("".join(json.dumps({"input_ids": torch.randint(2, vocab, (length,), generator=gen).tolist()}) + "\n"
+                            for _ in range(rows)))
+    return path
+
+
+def load_all(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+# --- equality with the peer ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path):
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    samples, seq_len = 16, 128
+    recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", samples=samples, seq_len=seq_len)
+    ours = convert(smollm2_bf16, tmp_path / "ours", recipe, device="cpu")
+    assert ours.gptq["weights_by_method"] == {"gptq": 90}
+
+    batches = gptq_batches(open_checkpoint(smollm2_bf16), load_recipe(recipe), None)
+    # llm-compressor's LengthAwareSampler visits equal-length samples in torch.argsort(descending=True)'s
+    # order, which is not the identity; lay the dataset out so that it visits ours (the Hessians are
+    # fp32 sums, so the order of the samples shows in the last bits)
+    order = torch.argsort(torch.tensor([seq_len] * samples), descending=True).tolist()
+    rows = [None] * samples
+    for k, j in enumerate(order):
+        rows[j] = batches[k][0].tolist()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_bf16, dtype=torch.bfloat16)
+    oneshot(model=model, dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * seq_len] * samples}),
+            recipe=str(recipe), num_calibration_samples=samples, max_seq_length=seq_len,
+            shuffle_calibration_samples=False, batch_size=1, pipeline="sequential")
+    model.save_pretrained(tmp_path / "peer", save_compressed=True)
+
+    mine, theirs = load_all(tmp_path / "ours"), load_all(tmp_path / "peer")
+    assert set(mine) == set(theirs)
+    packed = [n for n in mine if n.endswith("weight_packed")]
+    assert len(packed) == 90
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+
+
+# --- MoE: synthetic GLM-5 and DeepSeek-V3 ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """Per family: a block-FP8 source whose layer-1 router never picks expert 5, converted with RTN, GPTQ
+    (experts: all) and GPTQ (experts: routed); plus held-out tokens."""
+    runs = {}
+    for family in RTN_FOR:
+        root = tmp_path_factory.mktemp(family)
+        src = build_synthetic(family, root / "src", seed=3)
+        name, expert = UNROUTED
+        shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+        tensors = load_file(src / shard)
+        tensors[name][expert] = -1e4
+        save_file(tensors, src / shard, {"format": "pt"})
+        data = token_file(root / "calibration.jsonl", 96, 64, seed=0)
+        runs[family] = {"src": src, "root": root, "rtn": root / "rtn"}
+        convert(src, root / "rtn", RTN_FOR[family], device="cpu")
+        for mode in ("all", "routed"):
+            recipe = small_recipe(root, GPTQ_FOR[family], mode, dataset=data, samples=96, seq_len=64, experts=mode,
+                                  min_expert_tokens=16)
+            runs[family][mode] = root / mode
+            runs[family][f"{mode}-result"] = convert(src, root / mode, recipe, device="cpu")
+            runs[family][f"{mode}-recipe"] = recipe
+    return runs
+
+
+def layer_errors(src: Path, out: Path, tokens: list[torch.Tensor]) -> list[float]:
+    """Per decoder layer: squared error of the converted layer's output against the source layer's,
+    both fed the source model's own inputs to that layer (errors of earlier layers do not enter)."""
+    ref_ckpt, out_ckpt = open_checkpoint(src), open_checkpoint(out)
+    ref, conv = LayerWalk(ref_ckpt, tokens, "cpu", "eager"), LayerWalk(out_ckpt, tokens, "cpu", "eager")
+    errors = []
+    with TensorReader(ref_ckpt) as r_src, TensorReader(out_ckpt) as r_out:
+        for i in range(len(ref.layers)):
+            outputs = {}
+            for key, walk, reader in (("ref", ref, r_src), ("out", conv, r_out)):
+                layer = walk.load(i, walk.read_layer(i, reader))
+                got = outputs.setdefault(key, [])
+                hook = layer.register_forward_hook(lambda m, a, o, got=got: got.append(o[0] if isinstance(o, tuple) else o))
+                walk.inputs = ref.inputs
+                walk.run(i, layer, advance=False)
+                hook.remove()
+            errors.append(sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(outputs["ref"], outputs["out"])))
+            ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
+            ref.unload(i)
+            conv.unload(i)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(RTN_FOR))
+def test_gptq_lowers_every_moe_layers_held_out_error_below_rtn(moe_runs, family):
+    run = moe_runs[family]
+    gen = torch.Generator().manual_seed(99)  # not the calibration tokens
+    held_out = [torch.randint(2, 512, (1, 64), generator=gen) for _ in range(8)]
+    rtn = layer_errors(run["src"], run["rtn"], held_out)
+    gptq = layer_errors(run["src"], run["all"], held_out)
+    assert rtn[0] == gptq[0] == 0.0  # layer 0 is dense: nothing targeted
+    for layer in range(1, len(rtn)):
+        assert gptq[layer] < 0.9 * rtn[layer], (layer, gptq, rtn)
+
+
+@pytest.mark.parametrize("family", list(RTN_FOR))
+def test_an_expert_no_token_reaches_is_handled_as_configured_and_recorded(moe_runs, family):
+    run = moe_runs[family]
+    expert = f"model.layers.1.mlp.experts.{UNROUTED[1]}"
+    routed = load_manifest(run["routed"]).gptq_modules
+    everyone = load_manifest(run["all"]).gptq_modules
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert routed[f"{expert}.{proj}"].method == "rtn"
+        assert routed[f"{expert}.{proj}"].tokens == 0
+        assert "0 routed token(s) < min_expert_tokens 16" in routed[f"{expert}.{proj}"].reason
+        assert everyone[f"{expert}.{proj}"].method == "gptq"  # every token went through it for the Hessian
+        assert everyone[f"{expert}.{proj}"].tokens == 0  # ... and the record still says none was routed to it
+    # the RTN fallback is exactly what the RTN recipe writes for that expert
+    rtn, fell_back = load_all(run["rtn"]), load_all(run["routed"])
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(rtn[f"{expert}.{proj}.weight_packed"], fell_back[f"{expert}.{proj}.weight_packed"])
+    result = run["routed-result"].gptq
+    assert result["expert_tokens"][expert] == 0
+    assert sum(result["expert_tokens"].values()) > 0
+    # the MTP layer's experts are outside the forward: RTN, and said so
+    assert all(".layers.3." in m for m in result["rtn_outside_calibration"]) and result["rtn_outside_calibration"]
+
+
+@pytest.mark.parametrize("family", list(RTN_FOR))
+def test_output_has_the_rtn_recipes_format_exactly(moe_runs, family):
+    from quantkit.verify import verify
+
+    run = moe_runs[family]
+    rtn, gptq = run["rtn"], run["all"]
+    assert not (gptq / WORK_DIR).exists()
+    assert json.loads((rtn / "config.json").read_text()) == json.loads((gptq / "config.json").read_text())
+    assert json.loads((rtn / "model.safetensors.index.json").read_text()) == \
+        json.loads((gptq / "model.safetensors.index.json").read_text())
+    a, b = load_all(rtn), load_all(gptq)
+    changed = 0
+    for name in a:
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
+        if name.endswith(("weight_scale", "weight_shape")) or not name.endswith("weight_packed"):
+            assert torch.equal(a[name], b[name]), name  # GPTQ keeps RTN's scales; untargeted tensors are RTN's
+        else:
+            changed += not torch.equal(a[name], b[name])
+    assert changed > 0
+    report = verify(gptq, source=run["src"], smoke=False)
+    assert report.passed, report.findings
+
+
+def test_resume_after_a_kill_at_any_layer_redoes_no_finished_layer_and_gives_the_same_bytes(moe_runs, tmp_path):
+    run = moe_runs["glm_moe_dsa"]
+    recipe = run["all-recipe"]
+
+    class Killed(Exception):
+        pass
+
+    def die_after_first(report, layers):
+        raise Killed
+
+    dst = tmp_path / "out"
+    with pytest.raises(Killed):
+        convert(run["src"], dst, recipe, device="cpu", on_gptq_layer=die_after_first)
+    assert (dst / WORK_DIR / "layer-00001.safetensors").is_file()
+    assert not list(dst.glob("model-*.safetensors"))  # no shard before every layer is quantized
+    seen = []
+    convert(run["src"], dst, recipe, device="cpu", resume=True, on_gptq_layer=lambda r, n: seen.append((r.layer, r.reused)))
+    assert seen == [(1, True), (2, False)]
+    assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(run["all"]) | {"quantkit-manifest.json": b""}
+    ours, theirs = load_manifest(dst), load_manifest(run["all"])
+    assert ours.shards == theirs.shards and ours.gptq_modules == theirs.gptq_modules
+
+
+def test_a_different_calibration_is_a_different_run(moe_runs, tmp_path):
+    run = moe_runs["glm_moe_dsa"]
+    dst = tmp_path / "out"
+    shutil.copytree(run["all"], dst)
+    other = token_file(tmp_path / "other.jsonl", 96, 64, seed=5)
+    with pytest.raises(QuantkitError, match="calibration data"):
+        convert(run["src"], dst, run["all-recipe"], device="cpu", resume=True, calibration_data=other)
+
+
+def test_layer_files_carry_each_weights_record(moe_runs, tmp_path):
+    run = moe_runs["deepseek_v3"]
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(report, layers):
+        seen.append(report)
+        raise Stop
+
+    with pytest.raises(Stop):
+        convert(run["src"], tmp_path / "out", run["routed-recipe"], device="cpu", on_gptq_layer=stop)
+    with safe_open(str(tmp_path / "out" / WORK_DIR / "layer-00001.safetensors"), framework="pt") as f:
+        records = json.loads(f.metadata()["quantkit_gptq"])
+    assert len(records) == 8 * 3 and seen[0].weights == 24
+    assert {r["method"] for r in records.values()} == {"gptq", "rtn"}
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "calibration,message",
+    [
+        ({"dataset": "missing.jsonl"}, "calibration data not found"),
+        ({"dataset": "empty.jsonl"}, "calibration data is empty"),
+        ({"dataset": "short.jsonl", "samples": 64, "seq_len": 64}, "too short"),
+        ({"dataset": "big-ids.jsonl", "samples": 2, "seq_len": 64}, "outside the model's vocabulary"),
+        ({"dataset": "short.jsonl", "seq_len": 100000}, "exceeds the model's context"),
+    ],
+)
+def test_bad_calibration_data_is_one_line_naming_the_file_and_writes_nothing(synthetic, tmp_path, calibration, message):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    token_file(tmp_path / "short.jsonl", 3, 64, seed=1)
+    token_file(tmp_path / "big-ids.jsonl", 4, 64, seed=1, vocab=100000)
+    recipe = small_recipe(tmp_path, "glm5-int4-experts-gptq-g32", "bad", **calibration)
+    with pytest.raises(QuantkitError, match=message) as info:
+        convert(synthetic["glm_moe_dsa"], tmp_path / "out", recipe, device="cpu")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_activations_stop_at_the_layer_naming_it(tmp_path):
+    src = build_synthetic("llama", tmp_path / "src", seed=2)
+    name = "model.layers.1.post_attention_layernorm.weight"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(src / shard)
+    tensors[name] = torch.full_like(tensors[name], 3e38)  # finite, but the layer's activations overflow
+    save_file(tensors, src / shard, {"format": "pt"})
+    data = token_file(tmp_path / "cal.jsonl", 4, 64, seed=0)
+    recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", dataset=data, samples=4, seq_len=64)
+    with pytest.raises(QuantkitError, match="NaN or Inf activations after decoder layer 1") as info:
+        convert(src, tmp_path / "out", recipe, device="cpu")
+    assert str(src) in str(info.value) and "model.layers.1" in str(info.value)
+    assert not list((tmp_path / "out").glob("model-*.safetensors"))
+
+
+def test_calibration_data_on_an_rtn_recipe_is_refused(synthetic, tmp_path):
+    with pytest.raises(QuantkitError, match="for GPTQ recipes"):
+        convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu",
+                calibration_data=token_file(tmp_path / "c.jsonl", 2, 8, 0))
