@@ -28,24 +28,25 @@ def model_dtype(config: dict) -> torch.dtype:
     return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(config)])
 
 
-def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One Linear's weight, read and decoded (formats.weights.decode_weight) whatever its encoding on
-    disk: pack-quantized INT4, block-FP8 (``weight_scale_inv`` of a source or ``weight_scale`` of a
-    float-quantized output) in the model dtype, or a float weight as stored."""
+def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None,
+                device: str = "cpu") -> torch.Tensor:
+    """One Linear's weight, read and decoded (formats.weights.decode_weight) on ``device`` whatever its
+    encoding on disk: pack-quantized INT4, block-FP8 (``weight_scale_inv`` of a source or ``weight_scale``
+    of a float-quantized output) in the model dtype, or a float weight as stored."""
     dtype = dtype or model_dtype(ckpt.config)
     names = ckpt.tensors
     if f"{module}.weight_packed" in names:
-        parts = (reader.read(f"{module}.weight_packed"), reader.read(f"{module}.weight_scale"),
+        parts = (reader.read(f"{module}.weight_packed").to(device), reader.read(f"{module}.weight_scale").to(device),
                  reader.read(f"{module}.weight_shape").tolist())
         return decode_weight("int4_packed", parts, dtype)
     name = f"{module}.weight"
-    t = reader.read(name)
+    t = reader.read(name).to(device)
     if t.dtype != torch.float8_e4m3fn:
         return t
     scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
     if scale_name is None:
         raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
-    return decode_weight("fp8_block", (t, reader.read(scale_name)), dtype, fp8_block_size(ckpt.config))
+    return decode_weight("fp8_block", (t, reader.read(scale_name).to(device)), dtype, fp8_block_size(ckpt.config))
 
 
 def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -64,6 +65,8 @@ class LayerReport:
     loss: float  # sum of GPTQ's losses over the layer's weights
     rtn: int  # weights that fell back to round-to-nearest
     reused: bool = False
+    phases: dict[str, float] = field(default_factory=dict)  # read, hessians, quantize, write, forward (seconds)
+    peak_device_bytes: int = 0  # CUDA: the most memory allocated on the walk's device during the layer
 
 
 @dataclass
@@ -135,14 +138,17 @@ def run_gptq(
     with TensorReader(ckpt) as reader:
         for i in range(last + 1):
             started = time.perf_counter()
+            phases = _Phases(devices[0])
             layer_targets = targets.get(i, [])
             path = work / f"layer-{i:05d}.safetensors"
-            state = walk.read_layer(i, reader)
+            with phases("read"):
+                state = walk.read_layer(i, reader)
             reused = _finished(path, manifest, i)
             if layer_targets and not reused:
                 layer = walk.load(i, state)
-                records = _quantize_layer(walk, i, layer, state, layer_targets, recipe, devices)
+                records = _quantize_layer(walk, i, layer, state, layer_targets, recipe, devices, phases)
                 del layer
+                phases.start("write")
                 tensors = {}
                 for t in layer_targets:
                     tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
@@ -152,11 +158,13 @@ def run_gptq(
                 manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
                 manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
                 manifest.save(dst)
+                phases.stop()
             if layer_targets:
                 _substitute(path, layer_targets, state)
             if i < last:  # the next layer's inputs, through this layer as it will be served
-                layer = walk.load(i, state)
-                walk.run(i, layer)
+                with phases("forward"):
+                    layer = walk.load(i, state)
+                    walk.run(i, layer)
             del state
             walk.unload(i)
             if layer_targets:
@@ -164,11 +172,46 @@ def run_gptq(
                     result.files[t.module] = path
                 recs = [manifest.gptq_modules[t.module] for t in layer_targets]
                 report = LayerReport(i, time.perf_counter() - started, len(recs), sum(r.loss or 0.0 for r in recs),
-                                     sum(r.method == "rtn" for r in recs), reused)
+                                     sum(r.method == "rtn" for r in recs), reused, phases.seconds, phases.peak())
                 result.layers.append(report)
                 if on_layer:
                     on_layer(report, len(targets))
     return result
+
+
+class _Phases:
+    """Seconds per phase of one layer (the device synchronized at each boundary) and its peak memory."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self._open: tuple[str, float] | None = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._open = (name, time.perf_counter())
+
+    def stop(self) -> None:
+        if self._open is not None:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            name, t0 = self._open
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self._open = None
+
+    @contextmanager
+    def __call__(self, name: str):
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
 
 
 def _finished(path: Path, manifest: Manifest, i: int) -> bool:
@@ -211,7 +254,7 @@ class _Hessians:
         return self.sums.pop(key) / self.counts.pop(key)  # llm-compressor's prepare_batch
 
 
-def _quantize_layer(walk, i, layer, state, targets, recipe, devices) -> dict[str, dict]:
+def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> dict[str, dict]:
     """Collect the layer's Hessians on the calibration inputs, then GPTQ every target; returns per module
     the packed weight, scale and record, and leaves the quantized weights in ``state``."""
     cal = recipe.gptq.calibration
@@ -232,7 +275,8 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices) -> dict[str
         handles.append(experts_module.register_forward_pre_hook(
             lambda mod, args: _expert_hessians(mod, args, wanted, cal, hessians, routed)))
     try:
-        walk.run(i, layer, advance=False)
+        with phases("hessians"):
+            walk.run(i, layer, advance=False)
     finally:
         for h in handles:
             h.remove()
@@ -251,7 +295,8 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices) -> dict[str
             jobs.append((t, None, tokens, f"{tokens} routed token(s) < min_expert_tokens {cal.min_expert_tokens}"))
         else:
             jobs.append((t, (e, "gate_up") if proj != "down" else (e, "down"), tokens, None))
-    return _quantize_jobs(jobs, hessians, state, recipe, devices)
+    with phases("quantize"):
+        return _quantize_jobs(jobs, hessians, state, recipe, devices)
 
 
 def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, routed: dict[int, int]) -> None:
