@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -226,8 +227,10 @@ def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor
 
     with safe_open(str(path), framework="pt") as f:
         for t in targets:
-            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), tuple(state[f"{t.module}.weight"].shape))
-            state[f"{t.module}.weight"] = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
+            name = f"{t.module}.weight"
+            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), tuple(state[name].shape))
+            weight = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
+            state[name] = weight.to(state[name].device)
 
 
 class _Hessians:
@@ -333,33 +336,38 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         w = state[f"{t.module}.weight"]
         if key is None:
             q, scale = int4.quantize_int4(w, t.group_size)
-            out[t.module] = _record(q, scale, "rtn", tokens, None, reason)
+            out[t.module] = _record(q.cpu(), scale.cpu(), "rtn", tokens, None, reason)
             state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
             continue
         batches.setdefault((tuple(w.shape), t.group_size, t.args.model_dump_json()), []).append(job)
 
-    def hessian(key):
-        if key not in shared:
-            shared[key] = hessians.normalized(key)
-        h = shared[key]
-        users[key] -= 1
-        if users[key] == 0:
-            del shared[key]
-        return h
+    lock = threading.Lock()
+
+    def hessians_for(chunk) -> torch.Tensor:
+        """The chunk's normalized Hessians, stacked; each is normalized once and dropped after its last user
+        (stacking every batch up front would hold a copy of a shared Hessian per weight)."""
+        with lock:
+            for _, key, _, _ in chunk:
+                if key not in shared:
+                    shared[key] = hessians.normalized(key)
+            stacked = torch.stack([shared[key] for _, key, _, _ in chunk])
+            for _, key, _, _ in chunk:
+                users[key] -= 1
+                if users[key] == 0:
+                    del shared[key]
+            return stacked
 
     work = []
     for group in batches.values():
         cap = _batch_cap(group[0], state, devices)
-        for start in range(0, len(group), cap):
-            chunk = group[start:start + cap]
-            work.append((chunk, torch.stack([hessian(key) for _, key, _, _ in chunk])))
+        work += [group[start:start + cap] for start in range(0, len(group), cap)]
 
     def run(index: int):
-        chunk, hs = work[index]
+        chunk = work[index]
         device = devices[index % len(devices)]
         t0 = chunk[0][0]
         ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device)
-        q, scale, losses, fallback = _gptq(ws, hs.to(device), t0, settings)
+        q, scale, losses, fallback = _gptq(ws, hessians_for(chunk).to(device), t0, settings)
         del ws
         return [(job, q[k].cpu(), scale[k].cpu(), float(losses[k]), bool(fallback[k])) for k, job in enumerate(chunk)]
 
@@ -370,7 +378,8 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
                 if fallback:
                     reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
                 out[t.module] = _record(q, scale, method, tokens, loss, reason)
-                state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
+                name = f"{t.module}.weight"
+                state[name] = int4.dequantize_int4(q, scale, t.group_size).to(state[name].device)
     return out
 
 

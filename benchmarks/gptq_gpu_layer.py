@@ -1,0 +1,132 @@
+"""One GLM-5-sized MoE layer through quantkit's GPTQ from block-FP8, on a GPU: seconds and peak memory.
+
+    python benchmarks/gptq_gpu_layer.py --work /tmp/glm5-layer --samples 128 --seq-len 2048 [--experts all|routed]
+
+Builds a three-layer glm_moe_dsa checkpoint written as a block-FP8 release: layer 0 dense
+(intermediate 12288), layers 1 and 2 MoE with 256 routed experts of width 2048 (top 8) and one shared
+expert, hidden 6144; MLA + DSA attention at the sizes below. Random weights (timing does not depend
+on their values), random calibration token ids. Then ``convert`` with glm5-int4-experts-gptq-g32 on
+``cuda``, and the same checkpoint with the RTN recipe for reference. Prints one JSON object: per GPTQ
+layer the seconds by phase and the peak GPU memory, and the RTN time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+GLM5_LAYER = dict(
+    vocab_size=4096, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+    n_group=1, topk_group=1, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+    qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, head_dim=64, index_topk=2048, index_head_dim=128,
+    index_n_heads=32, max_position_embeddings=4096, num_nextn_predict_layers=0,
+)
+
+
+# --small: the same layer shape in miniature, to try the script on a CPU
+SMALL = dict(GLM5_LAYER, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8,
+             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128,
+             qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, head_dim=32, index_topk=16, index_head_dim=64,
+             index_n_heads=4, vocab_size=512, max_position_embeddings=256)
+
+
+def build(out: Path, device: str, dims: dict) -> Path:
+    """The checkpoint, its tensors drawn on ``device`` and FP8-encoded there (a CPU takes minutes for 10 G values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.checkpoint.reader import INDEX_NAME
+    from quantkit.checkpoint.writer import write_safetensors
+    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
+    from quantkit.modeling import unfuse_experts
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model("glm_moe_dsa", **dims)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    shapes = unfuse_experts({k: v for k, v in model.state_dict().items()})
+    gen = torch.Generator(device=device).manual_seed(0)
+    shard, size, files, weight_map = {}, 0, 0, {}
+
+    def flush():
+        nonlocal shard, size, files
+        if shard:
+            files += 1
+            name = f"model-{files:05d}.safetensors"
+            write_safetensors(out / name, shard, {"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for name, meta in shapes.items():
+        if meta.ndim == 1:
+            t = 1 + 0.05 * torch.randn(meta.shape, generator=gen, device=device)
+        else:
+            t = torch.randn(meta.shape, generator=gen, device=device) * (1 / meta.shape[-1] ** 0.5)
+        for k, v in release_encoding(name, t.to(torch.bfloat16)).items():
+            shard[k] = v.cpu()
+            size += v.numel() * v.element_size()
+        if size > 4e9:
+            flush()
+    flush()
+    data = config.to_dict() | {"quantization_config": dict(RELEASE_QUANTIZATION_CONFIG), "dtype": "bfloat16"}
+    data.pop("torch_dtype", None)
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+    return out
+
+
+def main() -> None:
+    from quantkit.convert import convert
+    from quantkit.packaged import recipes_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/glm5-layer"))
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--experts", default="all", choices=("all", "routed"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
+    args = parser.parse_args()
+    work = args.work
+    dims = SMALL if args.small else GLM5_LAYER
+    t0 = time.perf_counter()
+    src = build(work / "src", args.device, dims)
+    build_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(1)
+    data = work / "calibration.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, dims["vocab_size"], (args.seq_len,),
+                                                                   generator=gen).tolist()}) + "\n"
+                            for _ in range(args.samples)))
+    text = (recipes_dir() / "glm5-int4-experts-gptq-g32.yaml").read_text()
+    head, _, rest = text.partition("quantkit_calibration:\n")
+    recipe = work / "recipe.yaml"
+    recipe.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {args.samples}\n"
+                      f"  seq_len: {args.seq_len}\n  experts: {args.experts}\n" + rest[rest.index("quant_stage:"):])
+    layers = []
+    t0 = time.perf_counter()
+    result = convert(src, work / f"gptq-{args.experts}", recipe, device=args.device, force=(work / f"gptq-{args.experts}").exists(),
+                     on_gptq_layer=lambda r, n: layers.append(r))
+    gptq_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    convert(src, work / "rtn", "glm5-int4-experts-g32", device=args.device, force=(work / "rtn").exists())
+    rtn_s = time.perf_counter() - t0
+    print(json.dumps({
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "samples": args.samples, "seq_len": args.seq_len, "experts": args.experts,
+        "tokens": args.samples * args.seq_len, "build_s": round(build_s, 1), "source_bytes": result.source_bytes,
+        "gptq_convert_s": round(gptq_s, 1), "rtn_convert_s": round(rtn_s, 1),
+        "layers": [{"layer": r.layer, "seconds": round(r.seconds, 1), "phases": {k: round(v, 1) for k, v in r.phases.items()},
+                    "peak_gib": round(r.peak_device_bytes / 2**30, 1), "weights": r.weights, "rtn": r.rtn}
+                   for r in layers],
+        "weights_by_method": result.gptq["weights_by_method"],
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
