@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--experts", default="all", choices=("all", "routed"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
+    parser.add_argument("--no-rtn", action="store_true", help="skip the RTN reference conversion")
     args = parser.parse_args()
     work = args.work
     dims = SMALL if args.small else GLM5_LAYER
@@ -114,13 +115,14 @@ def main() -> None:
                      on_gptq_layer=lambda r, n: layers.append(r))
     gptq_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    convert(src, work / "rtn", "glm5-int4-experts-g32", device=args.device, force=(work / "rtn").exists())
-    rtn_s = time.perf_counter() - t0
+    if not args.no_rtn:
+        convert(src, work / "rtn", "glm5-int4-experts-g32", device=args.device, force=(work / "rtn").exists())
+    rtn_s = None if args.no_rtn else time.perf_counter() - t0
     print(json.dumps({
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__, "samples": args.samples, "seq_len": args.seq_len, "experts": args.experts,
         "tokens": args.samples * args.seq_len, "build_s": round(build_s, 1), "source_bytes": result.source_bytes,
-        "gptq_convert_s": round(gptq_s, 1), "rtn_convert_s": round(rtn_s, 1),
+        "gptq_convert_s": round(gptq_s, 1), "rtn_convert_s": rtn_s and round(rtn_s, 1),
         "layers": [{"layer": r.layer, "seconds": round(r.seconds, 1), "phases": {k: round(v, 1) for k, v in r.phases.items()},
                     "peak_gib": round(r.peak_device_bytes / 2**30, 1), "weights": r.weights, "rtn": r.rtn}
                    for r in layers],

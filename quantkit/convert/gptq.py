@@ -336,7 +336,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         w = state[f"{t.module}.weight"]
         if key is None:
             q, scale = int4.quantize_int4(w, t.group_size)
-            out[t.module] = _record(q.cpu(), scale.cpu(), "rtn", tokens, None, reason)
+            out[t.module] = _record(int4.pack_int4(q).cpu(), scale.cpu(), "rtn", tokens, None, reason)
             state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
             continue
         batches.setdefault((tuple(w.shape), t.group_size, t.args.model_dump_json()), []).append(job)
@@ -369,23 +369,24 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device)
         q, scale, losses, fallback = _gptq(ws, hessians_for(chunk).to(device), t0, settings)
         del ws
-        return [(job, q[k].cpu(), scale[k].cpu(), float(losses[k]), bool(fallback[k])) for k, job in enumerate(chunk)]
+        # packed and dequantized where they were computed: only the packed bytes travel to the host
+        return [(job, int4.pack_int4(q[k]).cpu(), scale[k].cpu(), int4.dequantize_int4(q[k], scale[k], t0.group_size),
+                 float(losses[k]), bool(fallback[k])) for k, job in enumerate(chunk)]
 
     with ThreadPoolExecutor(max_workers=len(devices)) as pool:
         for results in pool.map(run, range(len(work))):
-            for (t, _, tokens, reason), q, scale, loss, fallback in results:
+            for (t, _, tokens, reason), packed, scale, weight, loss, fallback in results:
                 method = "rtn" if fallback else "gptq"
                 if fallback:
                     reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
-                out[t.module] = _record(q, scale, method, tokens, loss, reason)
+                out[t.module] = _record(packed, scale, method, tokens, loss, reason)
                 name = f"{t.module}.weight"
-                state[name] = int4.dequantize_int4(q, scale, t.group_size).to(state[name].device)
+                state[name] = weight.to(state[name].device)
     return out
 
 
-def _record(q, scale, method, tokens, loss, reason) -> dict:
-    return {"packed": int4.pack_int4(q), "scale": scale, "method": method, "tokens": int(tokens),
-            "loss": loss, "reason": reason}
+def _record(packed, scale, method, tokens, loss, reason) -> dict:
+    return {"packed": packed, "scale": scale, "method": method, "tokens": int(tokens), "loss": loss, "reason": reason}
 
 
 def _batch_cap(job, state, devices) -> int:
