@@ -306,17 +306,18 @@ def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, rou
     """Forward pre-hook on a fused experts module (hidden_states [T, H], top_k_index [T, k], weights)."""
     x, top_k = args[0], args[1]
     everyone = cal.experts == "all"
+    counts = torch.bincount(top_k.flatten(), minlength=mod.gate_up_proj.shape[0]).tolist()  # one device sync
     if everyone:
         hessians.add("all_tokens", x)
     for e in wanted:
-        chosen = (top_k == e).any(dim=-1)
-        n = int(chosen.sum())
-        routed[e] = routed.get(e, 0) + n
-        xe = x if everyone else x[chosen]
-        if xe.shape[0] == 0:
-            continue
-        if not everyone:
+        routed[e] = routed.get(e, 0) + counts[e]
+        if everyone:
+            xe = x
+        elif counts[e]:
+            xe = x[(top_k == e).any(dim=-1)]
             hessians.add((e, "gate_up"), xe)
+        else:
+            continue
         # the down projection's input exactly as the experts' forward computes it
         gate, up = torch.nn.functional.linear(xe, mod.gate_up_proj[e]).chunk(2, dim=-1)
         hessians.add((e, "down"), mod.act_fn(gate) * up, tokens=xe.shape[0])
