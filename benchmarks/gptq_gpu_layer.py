@@ -90,14 +90,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--experts", default="all", choices=("all", "routed"))
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="cuda, or a list cuda:0,cuda:1 (GPTQ spreads each layer's weights over them)")
     parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
     parser.add_argument("--no-rtn", action="store_true", help="skip the RTN reference conversion")
     args = parser.parse_args()
     work = args.work
     dims = SMALL if args.small else GLM5_LAYER
     t0 = time.perf_counter()
-    src = build(work / "src", args.device, dims)
+    src = build(work / "src", args.device.split(",")[0], dims)
     build_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(1)
     data = work / "calibration.jsonl"

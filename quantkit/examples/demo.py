@@ -5,11 +5,12 @@ DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs twice from that sour
 in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the small-model
 suite (eval/suites/small-model.yaml), both candidates with calibrated FP8 KV caches:
 
-  int4  the MLP to INT4 group 32, attention kept: the GLM 5.x decode-pool recipe's counterpart
-        for a dense model (its MLPs play the routed experts);
-  fp8   the weights kept in their block-FP8 form: the prefill pool's weight format.
+  int4       the MLP to INT4 group 32 by round-to-nearest, attention kept: the GLM 5.x decode-pool
+             recipe's counterpart for a dense model (its MLPs play the routed experts);
+  int4-gptq  the same format, quantized by GPTQ on the built-in GSM8K-train calibration text;
+  fp8        the weights kept in their block-FP8 form: the prefill pool's weight format.
 
-Each is published to a local folder only if its gate passes; the second reuses the first's
+Each is published to a local folder only if its gate passes; the later ones reuse the first's
 baseline run. Nothing here is special-cased: each release is a config file like any other.
 """
 
@@ -26,7 +27,7 @@ from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "evaldata"
 SUITE = "small-model"  # built-in (quantkit.suites)
-CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "fp8": "dense-fp8-block"}
+CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "int4-gptq": "dense-mlp-w4a16-gptq-g32", "fp8": "dense-fp8-block"}
 
 
 @dataclass

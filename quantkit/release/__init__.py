@@ -40,6 +40,7 @@ class ConvertSettings(_Section):
     device: str = "auto"
     workers: int | None = None
     max_shard_size: str = "5GB"
+    calibration_data: str | None = None  # GPTQ recipes: instead of the recipe's own calibration file
 
 
 class CalibrateSettings(_Section):
@@ -184,6 +185,7 @@ def release(
     recipe = str(recipe_file) if recipe_file.is_file() else config.recipe  # else a built-in name
     # Files a stage reads, fingerprinted by content: an edited recipe or suite must re-run its stage.
     file_inputs = {"plan": [recipe_path(recipe)], "gate": [suite_path(resolve(config.suite) or DEFAULT_SUITE)],
+                   "convert": _calibration_files(recipe, resolve(config.convert.calibration_data)),
                    "calibrate-kv": [resolve(config.calibrate_kv.data)] if config.calibrate_kv and config.calibrate_kv.data else []}
     dst = work / "model"
     runs = work / "runs"
@@ -219,7 +221,8 @@ def release(
             raise QuantkitError("holds files this release did not write; move them away or set another work_dir", dst)
         state["owns_model"] = True
         _save_state(state_path, state)
-        settings = {"device": c.device, "workers": c.workers, "max_shard_size": c.max_shard_size}
+        settings = {"device": c.device, "workers": c.workers, "max_shard_size": c.max_shard_size,
+                    "calibration_data": resolve(c.calibration_data)}
         try:
             done = convert(source, dst, recipe, resume=True, **settings)
         except DifferentRun:  # the recipe or source changed since this release converted: its own output, replaced
@@ -326,6 +329,17 @@ def release(
 
 def _scores(scores: dict) -> str:
     return ", ".join(f"{task} {s['score']:.2f} (n={s['n']})" for task, s in scores.items())
+
+
+def _calibration_files(recipe: str, override: Path | None) -> list[Path]:
+    """The GPTQ calibration file convert reads (none for an RTN recipe): edited, it re-runs convert."""
+    from quantkit.calibration_data import DEFAULT_DATA
+    from quantkit.formats.recipe import load_recipe
+
+    rec = load_recipe(recipe)
+    if rec.gptq is None:
+        return []
+    return [override or rec.calibration_data() or DEFAULT_DATA]
 
 
 def _save_state(path: Path, state: dict) -> None:
