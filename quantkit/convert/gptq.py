@@ -364,8 +364,11 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         work += [group[start:start + cap] for start in range(0, len(group), cap)]
 
     def run(index: int):
-        chunk = work[index]
         device = devices[index % len(devices)]
+        if device.startswith("cuda"):
+            # a thread starts on cuda:0; Triton launches on the current device, whatever the tensors' device
+            torch.cuda.set_device(torch.device(device))
+        chunk = work[index]
         t0 = chunk[0][0]
         ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device)
         q, scale, losses, fallback = _gptq(ws, hessians_for(chunk).to(device), t0, settings)
