@@ -13,7 +13,7 @@ from quantkit.cli import app
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
 
-def test_demo_gates_both_candidates_and_publishes_only_the_one_that_passes(smollm2_bf16, tmp_path):
+def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_bf16, tmp_path):
     work = tmp_path / "demo"
     started = time.perf_counter()
     result = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--arc-items", "200", "--gsm8k-items", "4",
@@ -27,6 +27,17 @@ def test_demo_gates_both_candidates_and_publishes_only_the_one_that_passes(smoll
     assert not int4["passed"] and int4["tasks"][0]["delta"] < 0
     assert not (work / "published" / "smollm2-135m-int4-fp8kv").exists()
     assert "not published: the gate failed" in result.output
+
+    # GPTQ, same INT4 format: its gate ran on the same items, it loses less than RTN, and it is
+    # published exactly when its gate passes (the verdict is whatever the gate says).
+    gptq = json.loads((work / "release-int4-gptq" / "gate" / "verdict.json").read_text())
+    arc = {name: next(t for t in verdict["tasks"] if t["task"] == "arc_easy") for name, verdict in
+           (("gptq", gptq), ("rtn", int4))}
+    assert arc["gptq"]["n"] == arc["rtn"]["n"] == 200
+    assert arc["gptq"]["delta"] > arc["rtn"]["delta"]
+    assert (work / "published" / "smollm2-135m-int4-gptq-fp8kv").exists() == gptq["passed"]
+    print(f"demo CI variant: gptq delta {arc['gptq']['delta']:+.2f} ({'pass' if gptq['passed'] else 'fail'}), "
+          f"rtn {arc['rtn']['delta']:+.2f}")
 
     # FP8 weights with a calibrated FP8 KV cache stay within noise: published, with a card that says so.
     fp8 = json.loads((work / "release-fp8" / "gate" / "verdict.json").read_text())

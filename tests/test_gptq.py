@@ -296,3 +296,19 @@ def test_calibration_data_on_an_rtn_recipe_is_refused(synthetic, tmp_path):
     with pytest.raises(QuantkitError, match="for GPTQ recipes"):
         convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu",
                 calibration_data=token_file(tmp_path / "c.jsonl", 2, 8, 0))
+
+
+def test_convert_json_is_pure_json_on_stdout_in_a_fresh_process(synthetic, tmp_path):
+    """llm-compressor logs to the stdout of the moment it is imported; quantkit's --json stdout stays JSON."""
+    import subprocess
+    import sys
+
+    data = token_file(tmp_path / "cal.jsonl", 4, 64, seed=0)
+    recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", dataset=data, samples=4, seq_len=64)
+    run = subprocess.run([sys.executable, "-m", "quantkit", "convert", str(synthetic["llama"]), str(tmp_path / "out"),
+                          "-r", str(recipe), "--device", "cpu", "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["gptq"]["weights_by_method"] == {"gptq": 6}
+    assert [layer["layer"] for layer in result["gptq"]["layers"]] == [0, 1]
+    assert all(layer["loss"] > 0 for layer in result["gptq"]["layers"])

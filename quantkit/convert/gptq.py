@@ -89,6 +89,22 @@ class GPTQResult:
                 f"{module}.weight_scale": f.get_tensor(f"{module}.weight_scale")}
 
 
+def llmcompressor_gptq():
+    """llm-compressor's GPTQ primitives (accumulate_hessian, quantize_weight). Importing llm-compressor
+    points its logger at the sys.stdout of that moment and logs there; it is imported with stdout
+    pointing at stderr, so its lines never mix into quantkit's output (``--json``)."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+            from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+        except ImportError as exc:
+            raise QuantkitError(f"GPTQ recipes need llm-compressor ({exc}); pip install 'quantkit[gptq]'") from exc
+    return accumulate_hessian, quantize_weight
+
+
 def gptq_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict[int, list[Target]]:
     """Decoder layer -> the INT4 weights GPTQ quantizes in it. Layers transformers does not build
     (a GLM / DeepSeek MTP layer) are not reached by the calibration forward and stay RTN."""
@@ -244,8 +260,7 @@ class _Hessians:
         self._linear = torch.nn.Linear(1, 1, device="meta")  # accumulate_hessian reshapes by module type
 
     def add(self, key, inp: torch.Tensor, module: torch.nn.Module | None = None, tokens: int | None = None) -> None:
-        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
-
+        accumulate_hessian, _ = llmcompressor_gptq()
         if key not in self.sums:
             self.sums[key] = torch.zeros((inp.shape[-1], inp.shape[-1]), device=self.device, dtype=torch.float32)
             self.counts[key] = torch.zeros((), device=self.device)
@@ -407,8 +422,7 @@ def _batch_cap(job, state, devices) -> int:
 def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):
     """llm-compressor's quantize_weight on a batch, with quantkit's INT4 scales (compressed-tensors'
     symmetric rule, equal to llm-compressor's observer) -> (q int8, scale, losses, RTN-fallback flags)."""
-    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
-
+    _, quantize_weight = llmcompressor_gptq()
     gs = target.group_size
     scale = torch.stack([int4.quantize_int4(w, gs)[1] for w in ws])  # from the weights as decoded (model dtype)
     args = target.args.model_copy(update={"actorder": settings.actorder})

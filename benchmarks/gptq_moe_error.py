@@ -1,0 +1,90 @@
+"""GPTQ against RTN on synthetic MoE checkpoints: each MoE layer's output error on held-out tokens.
+
+    python benchmarks/gptq_moe_error.py --family glm_moe_dsa --experts all --samples 128 [--min-expert-tokens 16]
+
+A block-FP8 synthetic checkpoint of the family (8 experts, top 2, hidden 256; layer 1's router kept
+away from expert 5), converted RTN and GPTQ on random calibration token ids (``samples`` x 64). For
+each decoder layer: the squared error of the converted layer's output against the source layer's on
+8 held-out sequences, both fed the source model's own inputs to that layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.checkpoint.reader import TensorReader, open_checkpoint
+from quantkit.convert import convert
+from quantkit.examples.synthetic import build_synthetic
+from quantkit.layerwise import LayerWalk
+from quantkit.packaged import recipes_dir
+
+RECIPES = {"glm_moe_dsa": "glm5-int4-experts", "deepseek_v3": "deepseek-v3-int4-experts"}
+
+
+def layer_errors(src: Path, out: Path, tokens: list[torch.Tensor]) -> list[float]:
+    ref_ckpt, out_ckpt = open_checkpoint(src), open_checkpoint(out)
+    ref, conv = LayerWalk(ref_ckpt, tokens, "cpu", "eager"), LayerWalk(out_ckpt, tokens, "cpu", "eager")
+    errors = []
+    with TensorReader(ref_ckpt) as r_src, TensorReader(out_ckpt) as r_out:
+        for i in range(len(ref.layers)):
+            outputs = {}
+            for key, walk, reader in (("ref", ref, r_src), ("out", conv, r_out)):
+                layer = walk.load(i, walk.read_layer(i, reader))
+                got = outputs.setdefault(key, [])
+                hook = layer.register_forward_hook(lambda m, a, o, got=got: got.append(o[0] if isinstance(o, tuple) else o))
+                walk.inputs = ref.inputs
+                walk.run(i, layer, advance=False)
+                hook.remove()
+            errors.append(sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(outputs["ref"], outputs["out"])))
+            ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
+            ref.unload(i)
+            conv.unload(i)
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="glm_moe_dsa", choices=list(RECIPES))
+    parser.add_argument("--experts", default="all", choices=("all", "routed"))
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--min-expert-tokens", type=int, default=16)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/qk/gptq-moe"))
+    args = parser.parse_args()
+    root = args.work / args.family
+    shutil.rmtree(root, ignore_errors=True)
+    src = build_synthetic(args.family, root / "src", seed=3)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(src / shard)
+    tensors[name][5] = -1e4
+    save_file(tensors, src / shard, {"format": "pt"})
+    gen = torch.Generator().manual_seed(0)
+    data = root / "calibration.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (64,), generator=gen).tolist()}) + "\n"
+                            for _ in range(args.samples)))
+    text = (recipes_dir() / f"{RECIPES[args.family]}-gptq-g32.yaml").read_text()
+    head, _, rest = text.partition("quantkit_calibration:\n")
+    recipe = root / "recipe.yaml"
+    recipe.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {args.samples}\n  seq_len: 64\n"
+                      f"  experts: {args.experts}\n  min_expert_tokens: {args.min_expert_tokens}\n"
+                      + rest[rest.index("quant_stage:"):])
+    result = convert(src, root / "gptq", recipe, device="cpu")
+    convert(src, root / "rtn", f"{RECIPES[args.family]}-g32", device="cpu")
+    held = torch.Generator().manual_seed(99)  # not the calibration tokens
+    held_out = [torch.randint(2, 512, (1, 64), generator=held) for _ in range(8)]
+    print(json.dumps({"family": args.family, "experts": args.experts, "samples": args.samples,
+                      "min_expert_tokens": args.min_expert_tokens,
+                      "weights_by_method": result.gptq["weights_by_method"],
+                      "expert_tokens": result.gptq["expert_tokens"],
+                      "rtn": [round(e, 3) for e in layer_errors(src, root / "rtn", held_out)],
+                      "gptq": [round(e, 3) for e in layer_errors(src, root / "gptq", held_out)]}))
+
+
+if __name__ == "__main__":
+    main()
