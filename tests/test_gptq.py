@@ -312,3 +312,39 @@ def test_convert_json_is_pure_json_on_stdout_in_a_fresh_process(synthetic, tmp_p
     assert result["gptq"]["weights_by_method"] == {"gptq": 6}
     assert [layer["layer"] for layer in result["gptq"]["layers"]] == [0, 1]
     assert all(layer["loss"] > 0 for layer in result["gptq"]["layers"])
+
+
+def test_kill_9_during_gptq_then_resume_is_byte_identical(moe_runs, tmp_path):
+    """SIGKILL once the first GPTQ layer is recorded, and again during the shard pass; the resumed
+    output equals the uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = moe_runs["glm_moe_dsa"]
+    dst = tmp_path / "out"
+    args = [sys.executable, "-m", "quantkit", "convert", str(run["src"]), str(dst), "-r", str(run["all-recipe"]),
+            "--device", "cpu", "--max-shard-size", "1MB", "--json"]
+
+    def manifest_says(test) -> bool:
+        try:
+            return test(json.loads((dst / "quantkit-manifest.json").read_text()))
+        except (OSError, ValueError):
+            return False
+
+    for condition in (lambda m: len(m["gptq_layers"]) >= 1, lambda m: len(m["shards"]) >= 1):
+        proc = subprocess.Popen(args + (["--resume"] if dst.exists() else []), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        start = time.monotonic()
+        while proc.poll() is None and time.monotonic() - start < 120 and not manifest_says(condition):
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    subprocess.run(args + ["--resume"], check=True, capture_output=True)
+    reference = tmp_path / "reference"
+    convert(run["src"], reference, run["all-recipe"], device="cpu", max_shard_size="1MB")
+    assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(reference) | {"quantkit-manifest.json": b""}
+    assert load_manifest(dst).gptq_modules == load_manifest(reference).gptq_modules
+    assert not (dst / WORK_DIR).exists()
