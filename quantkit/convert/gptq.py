@@ -392,15 +392,21 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         return [(job, int4.pack_int4(q[k]).cpu(), scale[k].cpu(), int4.dequantize_int4(q[k], scale[k], t0.group_size),
                  float(losses[k]), bool(fallback[k])) for k, job in enumerate(chunk)]
 
-    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        for results in pool.map(run, range(len(work))):
-            for (t, _, tokens, reason), packed, scale, weight, loss, fallback in results:
-                method = "rtn" if fallback else "gptq"
-                if fallback:
-                    reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
-                out[t.module] = _record(packed, scale, method, tokens, loss, reason)
-                name = f"{t.module}.weight"
-                state[name] = weight.to(state[name].device)
+    def finished():
+        if len(devices) == 1:  # in this thread: on CPU a worker thread ran quantize_weight at half speed
+            yield from map(run, range(len(work)))
+            return
+        with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+            yield from pool.map(run, range(len(work)))
+
+    for results in finished():
+        for (t, _, tokens, reason), packed, scale, weight, loss, fallback in results:
+            method = "rtn" if fallback else "gptq"
+            if fallback:
+                reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
+            out[t.module] = _record(packed, scale, method, tokens, loss, reason)
+            name = f"{t.module}.weight"
+            state[name] = weight.to(state[name].device)
     return out
 
 
