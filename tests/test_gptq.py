@@ -348,3 +348,13 @@ def test_kill_9_during_gptq_then_resume_is_byte_identical(moe_runs, tmp_path):
     assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(reference) | {"quantkit-manifest.json": b""}
     assert load_manifest(dst).gptq_modules == load_manifest(reference).gptq_modules
     assert not (dst / WORK_DIR).exists()
+
+
+def test_without_llm_compressor_a_gptq_recipe_stops_before_writing(synthetic, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llmcompressor.modifiers.gptq.gptq_quantize", None)  # import raises ImportError
+    recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", samples=2, seq_len=8)
+    with pytest.raises(QuantkitError, match=r"pip install 'quantkit\[gptq\]'"):
+        convert(synthetic["llama"], tmp_path / "out", recipe, device="cpu")
+    assert not (tmp_path / "out").exists()

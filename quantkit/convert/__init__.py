@@ -141,6 +141,8 @@ def convert(
     devices = resolve_devices(device)
     if calibration_data is not None and rec.gptq is None:
         raise QuantkitError(f"--calibration-data is for GPTQ recipes; {rec.name} is round-to-nearest")
+    if rec.gptq:
+        gptq.llmcompressor_gptq()  # its absence stops the run here, before DST exists
     batches = gptq_batches(ckpt, rec, calibration_data) if rec.gptq else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
