@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantkit.checkpoint.writer import write_bytes_atomic
+from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
 from quantkit.errors import QuantkitError, field_error
 
 MANIFEST_NAME = "quantkit-manifest.json"
@@ -29,6 +29,13 @@ class ShardRecord(BaseModel):
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0)
+
+    def matches(self, path: Path, rehash: bool = True) -> bool:
+        """Whether ``path`` is still the file recorded: a regular file (not a link), of the recorded size and,
+        with ``rehash``, the recorded sha256. What a resumed run checks before it keeps a finished file."""
+        if not path.is_file() or path.is_symlink() or path.stat().st_size != self.size:
+            return False
+        return not rehash or sha256_file(path) == self.sha256
 
 
 class GPTQModuleRecord(BaseModel):

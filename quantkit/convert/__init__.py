@@ -35,7 +35,6 @@ from quantkit.checkpoint.writer import (
     ShardWriter,
     copy_file_atomic,
     folder_lock,
-    sha256_file,
     write_bytes_atomic,
     write_error,
 )
@@ -320,10 +319,7 @@ def _clear_outputs(dst: Path) -> None:
 def _is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> bool:
     """Whether a finished shard can be kept: recorded, present, and (``verify``) still the bytes recorded."""
     record = manifest.shards.get(shard.name)
-    path = dst / shard.name
-    if record is None or not path.is_file() or path.is_symlink() or path.stat().st_size != record.size:
-        return False
-    return not verify or sha256_file(path) == record.sha256
+    return record is not None and record.matches(dst / shard.name, rehash=verify)
 
 
 class _Stats:

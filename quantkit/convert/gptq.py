@@ -37,7 +37,7 @@ import torch
 
 from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
-from quantkit.checkpoint.writer import sha256_file, write_safetensors
+from quantkit.checkpoint.writer import write_safetensors
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
@@ -233,8 +233,7 @@ class _Phases:
 
 def _finished(path: Path, manifest: Manifest, i: int) -> bool:
     record = manifest.gptq_layers.get(str(i))
-    return (record is not None and path.is_file() and path.stat().st_size == record.size
-            and sha256_file(path) == record.sha256)
+    return record is not None and record.matches(path)
 
 
 def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor]) -> None:
