@@ -216,9 +216,9 @@ def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | No
     tokenizer = None if isinstance(texts[0], list) else model_tokenizer(ckpt.root)
     batches = token_batches(tokenizer, texts, cal.samples, cal.seq_len, 1, data, require_all=True)
     vocab = int(ckpt.config.get("vocab_size") or 0)
-    if vocab and max(int(b.max()) for b in batches) >= vocab:
-        raise QuantkitError(f"token id {max(int(b.max()) for b in batches)} is outside the model's vocabulary ({vocab})",
-                            data)
+    highest = max(int(b.max()) for b in batches)
+    if vocab and highest >= vocab:
+        raise QuantkitError(f"token id {highest} is outside the model's vocabulary ({vocab})", data)
     return batches
 
 

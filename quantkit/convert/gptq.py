@@ -176,7 +176,7 @@ def run_gptq(
                 manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
                 manifest.save(dst)
                 phases.stop()
-            if layer_targets:
+            if layer_targets and reused:  # a layer quantized just now already holds these values in state
                 _substitute(path, layer_targets, state)
             if i < last:  # the next layer's inputs, through this layer as it will be served
                 with phases("forward"):
@@ -257,14 +257,15 @@ class _Hessians:
         self.counts: dict = {}
         self.tokens: dict = {}
         self._linear = torch.nn.Linear(1, 1, device="meta")  # accumulate_hessian reshapes by module type
+        self._accumulate, _ = llmcompressor_gptq()  # once: add() runs per batch and per expert
 
     def add(self, key, inp: torch.Tensor, module: torch.nn.Module | None = None, tokens: int | None = None) -> None:
-        accumulate_hessian, _ = llmcompressor_gptq()
         if key not in self.sums:
             self.sums[key] = torch.zeros((inp.shape[-1], inp.shape[-1]), device=self.device, dtype=torch.float32)
             self.counts[key] = torch.zeros((), device=self.device)
             self.tokens[key] = 0
-        self.sums[key], self.counts[key] = accumulate_hessian(inp, module or self._linear, self.sums[key], self.counts[key])
+        self.sums[key], self.counts[key] = self._accumulate(inp, module or self._linear, self.sums[key],
+                                                            self.counts[key])
         self.tokens[key] += tokens if tokens is not None else inp.numel() // inp.shape[-1]
 
     def normalized(self, key) -> torch.Tensor:
