@@ -18,34 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.checkpoint.reader import TensorReader, open_checkpoint
+from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
 from quantkit.examples.synthetic import build_synthetic
-from quantkit.layerwise import LayerWalk
+from quantkit.layerwise import layer_output_errors
 from quantkit.packaged import recipes_dir
 
 RECIPES = {"glm_moe_dsa": "glm5-int4-experts", "deepseek_v3": "deepseek-v3-int4-experts"}
-
-
-def layer_errors(src: Path, out: Path, tokens: list[torch.Tensor]) -> list[float]:
-    ref_ckpt, out_ckpt = open_checkpoint(src), open_checkpoint(out)
-    ref, conv = LayerWalk(ref_ckpt, tokens, "cpu", "eager"), LayerWalk(out_ckpt, tokens, "cpu", "eager")
-    errors = []
-    with TensorReader(ref_ckpt) as r_src, TensorReader(out_ckpt) as r_out:
-        for i in range(len(ref.layers)):
-            outputs = {}
-            for key, walk, reader in (("ref", ref, r_src), ("out", conv, r_out)):
-                layer = walk.load(i, walk.read_layer(i, reader))
-                got = outputs.setdefault(key, [])
-                hook = layer.register_forward_hook(lambda m, a, o, got=got: got.append(o[0] if isinstance(o, tuple) else o))
-                walk.inputs = ref.inputs
-                walk.run(i, layer, advance=False)
-                hook.remove()
-            errors.append(sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(outputs["ref"], outputs["out"])))
-            ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
-            ref.unload(i)
-            conv.unload(i)
-    return errors
 
 
 def main() -> None:
@@ -78,12 +57,16 @@ def main() -> None:
     convert(src, root / "rtn", f"{RECIPES[args.family]}-g32", device="cpu")
     held = torch.Generator().manual_seed(99)  # not the calibration tokens
     held_out = [torch.randint(2, 512, (1, 64), generator=held) for _ in range(8)]
+    source = open_checkpoint(src)
+
+    def errors(out: Path) -> list[float]:
+        return layer_output_errors(source, open_checkpoint(out), held_out)
+
     print(json.dumps({"family": args.family, "experts": args.experts, "samples": args.samples,
                       "min_expert_tokens": args.min_expert_tokens,
                       "weights_by_method": result.gptq["weights_by_method"],
                       "expert_tokens": result.gptq["expert_tokens"],
-                      "rtn": [round(e, 3) for e in layer_errors(src, root / "rtn", held_out)],
-                      "gptq": [round(e, 3) for e in layer_errors(src, root / "gptq", held_out)]}))
+                      **{name: [round(e, 3) for e in errors(root / name)] for name in ("rtn", "gptq")}}))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,27 @@ class LayerWalk:
 
     def unload(self, i: int) -> None:
         self.layers[i].to("meta")
+
+
+def layer_output_errors(source: Checkpoint, converted: Checkpoint, tokens: list[torch.Tensor]) -> list[float]:
+    """Per decoder layer: the squared error of ``converted``'s layer output against ``source``'s, both
+    fed the source model's own inputs to that layer (so earlier layers' errors do not enter)."""
+    ref, conv = LayerWalk(source, tokens, "cpu", "eager"), LayerWalk(converted, tokens, "cpu", "eager")
+    errors = []
+    with TensorReader(source) as r_src, TensorReader(converted) as r_out:
+        for i in range(len(ref.layers)):
+            outputs: dict[str, list] = {}
+            for key, walk, reader in (("ref", ref, r_src), ("out", conv, r_out)):
+                layer = walk.load(i, walk.read_layer(i, reader))
+                got = outputs.setdefault(key, [])
+                hook = layer.register_forward_hook(
+                    lambda m, a, o, got=got: got.append(o[0] if isinstance(o, tuple) else o))
+                walk.inputs = ref.inputs
+                walk.run(i, layer, advance=False)
+                hook.remove()
+            errors.append(sum(float((a.float() - b.float()).pow(2).sum())
+                              for a, b in zip(outputs["ref"], outputs["out"])))
+            ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
+            ref.unload(i)
+            conv.unload(i)
+    return errors

@@ -19,13 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint.manifest import load_manifest
-from quantkit.checkpoint.reader import TensorReader, open_checkpoint
+from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert, gptq_batches
 from quantkit.convert.gptq import WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
 from quantkit.formats.recipe import load_recipe
-from quantkit.layerwise import LayerWalk
+from quantkit.layerwise import layer_output_errors
 from quantkit.packaged import recipes_dir
 from tests.conftest import tree_bytes
 
@@ -121,37 +121,15 @@ def moe_runs(tmp_path_factory):
     return runs
 
 
-def layer_errors(src: Path, out: Path, tokens: list[torch.Tensor]) -> list[float]:
-    """Per decoder layer: squared error of the converted layer's output against the source layer's,
-    both fed the source model's own inputs to that layer (errors of earlier layers do not enter)."""
-    ref_ckpt, out_ckpt = open_checkpoint(src), open_checkpoint(out)
-    ref, conv = LayerWalk(ref_ckpt, tokens, "cpu", "eager"), LayerWalk(out_ckpt, tokens, "cpu", "eager")
-    errors = []
-    with TensorReader(ref_ckpt) as r_src, TensorReader(out_ckpt) as r_out:
-        for i in range(len(ref.layers)):
-            outputs = {}
-            for key, walk, reader in (("ref", ref, r_src), ("out", conv, r_out)):
-                layer = walk.load(i, walk.read_layer(i, reader))
-                got = outputs.setdefault(key, [])
-                hook = layer.register_forward_hook(lambda m, a, o, got=got: got.append(o[0] if isinstance(o, tuple) else o))
-                walk.inputs = ref.inputs
-                walk.run(i, layer, advance=False)
-                hook.remove()
-            errors.append(sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(outputs["ref"], outputs["out"])))
-            ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
-            ref.unload(i)
-            conv.unload(i)
-    return errors
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(RTN_FOR))
 def test_gptq_lowers_every_moe_layers_held_out_error_below_rtn(moe_runs, family):
     run = moe_runs[family]
     gen = torch.Generator().manual_seed(99)  # not the calibration tokens
     held_out = [torch.randint(2, 512, (1, 64), generator=gen) for _ in range(8)]
-    rtn = layer_errors(run["src"], run["rtn"], held_out)
-    gptq = layer_errors(run["src"], run["all"], held_out)
+    source = open_checkpoint(run["src"])
+    rtn = layer_output_errors(source, open_checkpoint(run["rtn"]), held_out)
+    gptq = layer_output_errors(source, open_checkpoint(run["all"]), held_out)
     assert rtn[0] == gptq[0] == 0.0  # layer 0 is dense: nothing targeted
     for layer in range(1, len(rtn)):
         assert gptq[layer] < 0.9 * rtn[layer], (layer, gptq, rtn)
