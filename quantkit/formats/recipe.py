@@ -34,8 +34,9 @@ MODIFIERS = ("QuantizationModifier", "GPTQModifier")
 # Modifiers quantkit does not implement: refused by name rather than silently read as RTN.
 UNSUPPORTED = ("AWQModifier", "SmoothQuantModifier", "AutoRoundModifier", "SparseGPTModifier")
 CALIBRATION_KEY = "quantkit_calibration"
-# GPTQModifier's own fields besides the quantization config (llm-compressor 0.14 modifiers/gptq/base.py).
-_GPTQ_FIELDS = ("block_size", "dampening_frac", "actorder", "batched_quantization")
+# GPTQModifier's algorithm fields quantkit reads (llm-compressor 0.14 modifiers/gptq/base.py); its
+# batched_quantization is accepted and ignored: quantkit sizes its own batches (convert/gptq.py).
+_GPTQ_FIELDS = ("block_size", "dampening_frac", "actorder")
 
 
 class Calibration(BaseModel):
@@ -132,13 +133,13 @@ def _find_modifier(node, path: Path) -> tuple[str, dict]:
 
 
 def _gptq_settings(modifier: dict, calibration, path: Path) -> GPTQSettings:
-    fields = {k: modifier[k] for k in _GPTQ_FIELDS if k in modifier and k != "batched_quantization"}
+    fields = {k: modifier[k] for k in _GPTQ_FIELDS if k in modifier}
     if modifier.get("dampening_frac", 0.01) is None:
         raise QuantkitError("invalid GPTQModifier: dampening_frac must be a number (GPTQ needs dampening)", path)
     actorder = fields.get("actorder", "static")
     if actorder not in (None, False, "static"):
         raise QuantkitError(f"GPTQModifier actorder {actorder!r}: only static or none; 'group' and 'weight' orders "
-                            "need a g_idx the INT4 serving kernels' group rules do not take", path)
+                            "need a g_idx, which the format quantkit writes does not carry", path)
     fields["actorder"] = actorder or None
     try:
         settings = Calibration.model_validate(calibration or {})
