@@ -237,6 +237,8 @@ def calibrate_kv_cmd(
         f"[green]done[/] {result.out}: {result.layers} layers ({result.attention}), {result.samples} x {result.seq_len} tokens "
         f"in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {result.json_path}, {result.plot_path}"
     )
+    for engine, usage in result.engines.items():
+        out.print(f"  {engine}: {usage}", highlight=False, soft_wrap=True)
 
 
 @command("verify")
@@ -257,6 +259,8 @@ def verify_cmd(
     else:
         checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
         out.print(f"[bold]{report.path}[/] for {report.engine} tp={report.tp}: checked {checked}")
+        for note in report.notes:
+            out.print(f"[yellow]not checked[/]: {note}", highlight=False)
         if report.worst:
             worst = report.worst[0]
             out.print(f"worst tensor: {worst.tensor} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
@@ -307,6 +311,8 @@ def plan_cmd(
         out.print(f"[bold]{pool.role}[/] pool: weights {_gib(pool.weights_per_gpu)}/GPU, {pool.kv_dtype} KV "
                   f"{pool.kv_bytes_per_token:,} B/token, {pool.kv_tokens_per_gpu:,} tokens, {pool.concurrent_requests} requests")
         out.print(f"  {pool.launch}", highlight=False)
+        if pool.kv_scales:
+            out.print(f"  FP8 KV scales: {pool.kv_scales}", highlight=False, soft_wrap=True)
     if report.chart:
         out.print(f"chart: {report.chart}")
 

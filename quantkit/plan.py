@@ -42,6 +42,7 @@ class PoolPlan:
     kv_tokens_per_gpu: int
     concurrent_requests: int
     launch: str
+    kv_scales: str = ""  # whether this pool's attention backend uses calibrated FP8 KV scales, and why
 
 
 @dataclass
@@ -201,7 +202,30 @@ def _pool(role, checkpoint, kv_dtype, component_bytes, config, family, tp, gpu_b
         f"python -m sglang.launch_server --model-path {checkpoint} --tp {tp} --kv-cache-dtype {engine_kv} "
         f"--mem-fraction-static {frac} --context-length {ctx} --page-size {page} --disaggregation-mode {role}"
     )
-    return PoolPlan(role, checkpoint, kv_dtype, weights, kv, tokens, tokens // ctx, launch)
+    backend, kv_scales = fp8_kv_backend(family) if kv_dtype == "fp8_e4m3" else (None, "")
+    if backend:
+        launch += f" --attention-backend {backend}"
+    return PoolPlan(role, checkpoint, kv_dtype, weights, kv, tokens, tokens // ctx, launch, kv_scales)
+
+
+def fp8_kv_backend(family) -> tuple[str | None, str]:
+    """The SGLang attention backend for an FP8 KV pool, and what it does with calibrated scales: one whose
+    FP8 path uses them where SGLang has one for this attention type (kv/engine_names.py, read in its source)."""
+    from quantkit.kv.engine_names import SGLANG_VERSION, attention_kind, backends, scale_backend
+
+    kind = attention_kind(family)
+    chosen = scale_backend(kind)
+    if chosen is not None:
+        others = [f"{b.backend} ({b.use})" for b in backends("sglang", kind) if b is not chosen]
+        return chosen.backend, (f"{chosen.backend}: the SGLang {SGLANG_VERSION} {kind.upper()} backend whose FP8 KV path "
+                                f"uses the calibrated scales ({chosen.how}; {chosen.source})"
+                                + (f"; the others: {', '.join(others)}" if others else ""))
+    traced = backends("sglang", kind)
+    if traced:
+        b = traced[0]
+        return b.backend, (f"{b.backend}: calibrated scales unused - {b.how} ({b.source}); FP8 KV is served "
+                           "without them")
+    return None, f"no SGLang {SGLANG_VERSION} backend traced for {kind.upper()}: whether scales are used is unknown"
 
 
 def memory_chart(report: PlanReport, path: Path) -> Path:

@@ -160,6 +160,11 @@ def test_output_layout_and_cli(smollm2_bf16, tmp_path):
     assert (dst / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
     assert "quantization_config" not in json.loads((smollm2_bf16 / "config.json").read_text())  # source untouched
     assert kv_scales_of(dst) == {int(k): tuple(v) for k, v in result["scales"].items()}
+    # per engine, where the scales load and which attention backends use them (tests/test_engine_names.py)
+    assert result["engines"]["sglang 0.5.23"] == "loaded into model.layers.N.self_attn.attn.k|v_scale; used by fa3, triton"
+    human = CliRunner().invoke(app, ["calibrate-kv", str(smollm2_bf16), "--out", str(tmp_path / "kv2"), "--samples", "2",
+                                     "--seq-len", "64"])
+    assert "  sglang 0.5.23: loaded into model.layers.N.self_attn.attn.k|v_scale; used by fa3, triton" in human.stdout
 
 
 def test_in_place_updates_the_manifest(synthetic, tmp_path):
@@ -217,76 +222,3 @@ def test_fake_fp8_saturates_and_rounds():
     x = torch.tensor([0.0, 1.0, 448.0, 1000.0, -1000.0])
     assert fake_fp8(x, 1.0).tolist() == [0.0, 1.0, 448.0, 448.0, -448.0]
     assert fake_fp8(x, 1000 / 448).tolist()[3] == pytest.approx(1000.0)
-
-
-# What each engine's loader makes of a checkpoint name, restated from its source (kv/engine_names.py cites
-# file and lines): ours land everywhere, the old `self_attn.k_scale` only where a generic remap applies.
-ENGINE_FACTS = [
-    ("sglang", "gqa", "model.layers.3.self_attn.k_proj.k_scale", "model.layers.3.self_attn.attn.k_scale"),
-    ("sglang", "gqa", "model.layers.3.self_attn.k_scale", "model.layers.3.self_attn.attn.k_scale"),
-    ("sglang", "mla", "model.layers.3.self_attn.v_proj.v_scale", "model.layers.3.self_attn.attn_mqa.v_scale"),
-    ("sglang", "mla", "model.layers.3.self_attn.k_scale", None),
-    ("vllm", "mla", "model.layers.3.self_attn.k_proj.k_scale", "model.layers.3.self_attn.mla_attn.mla_attn.k_scale"),
-    ("vllm", "mla", "model.layers.3.self_attn.k_scale", None),
-]
-
-
-@pytest.mark.parametrize("engine, attention, name, param", ENGINE_FACTS)
-def test_where_each_engine_loads_a_kv_scale(engine, attention, name, param):
-    from quantkit.kv.engine_names import rules_for
-
-    (rule,) = rules_for(engine, attention)
-    assert rule.lands(name) == param
-
-
-def test_the_rules_restate_the_engines_pinned_source():
-    """The rules were read in these versions; a newer engine must be read again before they are trusted."""
-    from quantkit.kv.engine_names import RULES, SGLANG_VERSION, VLLM_VERSION
-
-    assert (SGLANG_VERSION, VLLM_VERSION) == ("0.5.23", "0.33.0")
-    assert all(rule.source and rule.version in (SGLANG_VERSION, VLLM_VERSION) for rule in RULES)
-
-
-def _with_scale_names(folder, names):
-    write_safetensors(folder / "kv-scales.safetensors", {n: torch.tensor(0.01) for n in names})
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != "kv-scales.safetensors"}
-    index["weight_map"].update({n: "kv-scales.safetensors" for n in names})
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-@pytest.mark.parametrize("family, old_names_pass", [("deepseek_v3", False), ("llama", True)])
-def test_verify_fails_kv_scales_an_engine_would_skip(synthetic, tmp_path, family, old_names_pass):
-    """Planted: the names calibrate-kv wrote before (self_attn.k_scale) are skipped by SGLang's and vLLM's
-    DeepSeek-family loaders and loaded by SGLang's Llama loader; what calibrate-kv writes now passes.
-    (vLLM's Llama path is not traced, so verify claims nothing there.)"""
-    from quantkit.kv.calibrate import write_scales
-    from quantkit.verify import verify
-
-    out = tmp_path / "out"
-    convert(synthetic[family], out, RECIPE_FOR[family], device="cpu")
-    attention = "mla" if family != "llama" else "gqa"
-    write_scales(open_checkpoint(out), out, {0: (0.01, 0.02), 1: (0.03, 0.04)}, attention, copy=False)
-    for engine in ("sglang", "vllm"):
-        report = verify(out, engine=engine, smoke=False)
-        assert not [f for f in report.findings if "KV scale" in f.rule], report.findings
-    _with_scale_names(out, ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"])
-    for engine in ("sglang", "vllm"):
-        report = verify(out, engine=engine, smoke=False)
-        skipped = [f.tensor for f in report.findings if "KV scale" in f.rule]
-        assert skipped == ([] if old_names_pass else ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"])
-
-
-def test_the_model_card_states_what_each_engine_does_with_the_scales(synthetic, tmp_path):
-    from quantkit.kv.calibrate import write_scales
-    from quantkit.release.card import model_card
-
-    out = tmp_path / "out"
-    convert(synthetic["glm_moe_dsa"], out, RECIPE_FOR["glm_moe_dsa"], device="cpu")
-    write_scales(open_checkpoint(out), out, {0: (0.01, 0.02)}, "mla", copy=False)
-    card = model_card(out, "org/x", None)
-    assert "- sglang 0.5.23: loaded into model.layers.N.self_attn.attn_mqa.k|v_scale" in card
-    assert "- vllm 0.33.0: loaded into model.layers.N.self_attn.mla_attn.mla_attn.k|v_scale" in card
-    assert "sparse-attention (DSA/NSA)" in card  # GLM 5.x: the DSA backends use run-time tile scales instead
-    _with_scale_names(out, ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"])
-    assert "sglang 0.5.23 skips this checkpoint's scale tensors" in model_card(out, "org/x", None)

@@ -42,6 +42,7 @@ class KVCalibrationResult:
     seconds: float
     peak_layer_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    engines: dict[str, str] = field(default_factory=dict)  # per engine: loaded where, used by which backends
 
 
 def calibrate_kv(
@@ -83,6 +84,7 @@ def calibrate_kv(
         model=str(src), out=str(dst), attention=family.attention, samples=sum(len(b) for b in batches),
         seq_len=int(batches[0].shape[1]), layers=len(scales), scales=scales, json_path=str(json_path),
         plot_path=str(plot_path), seconds=time.perf_counter() - started, peak_layer_bytes=peak,
+        engines=json.loads(Path(json_path).read_text())["engines"],
     )
 
 
@@ -172,7 +174,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     json_path = dst / "kv_scales.json"
     record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
-              "fp8_max": FP8_MAX, "engines": engine_usage(attention, sparse=detect_family(ckpt.config).has_indexer),
+              "fp8_max": FP8_MAX, "engines": engine_usage(config),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention)

@@ -1,23 +1,27 @@
-"""Where the serving engines' loaders put a checkpoint's KV-scale tensors, read in their own source.
+"""What the serving engines do with a checkpoint's FP8 KV-cache scales, read in their own source.
 
-A scale the loader does not map onto a parameter of its model is logged and skipped, and the
-engine then serves FP8 KV with its default scale of 1.0: nothing fails, nobody notices. Each rule
-below restates one engine's renaming for one attention type, with the file and lines it was read
-from (SGLang 0.5.23 and vLLM 0.33.0, the wheels from PyPI), and the parameter the renamed tensor
-must land on. quantkit writes the one name all three rules load: the ModelOpt layout
-``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Not traced yet: vLLM's GQA models
-(Llama loads through ``AutoWeightsLoader`` and the quantization config's ``get_cache_scale_mapper``,
-vllm/model_executor/models/utils.py:467, which was not read), so no rule claims anything there.
+Two questions, both answered per engine from the wheels PyPI serves (SGLang 0.5.23, vLLM 0.33.0):
+
+- Does the loader put the tensor on a parameter? That is a name rule like any other weight's and lives
+  with them in ``quantkit/verify/weight_names.py``. quantkit writes the ModelOpt layout
+  ``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, which every traced loader takes.
+- Once loaded, does the attention backend use it? The FP8 KV write path must divide by the scale and
+  the read path multiply by it. ``BACKENDS`` records, per backend and attention type, what its source
+  does: ``used`` (both), ``unused`` (neither: the cache is a plain cast, as with scale 1.0) or
+  ``mismatched`` (the cache is written by a plain cast but read back multiplied by the loaded scale,
+  so any scale other than 1.0 distorts attention scores).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 SGLANG_VERSION = "0.5.23"
 VLLM_VERSION = "0.33.0"
+
+_POOL = "sglang/srt/mem_cache/memory_pool.py"
+_ATT = "sglang/srt/layers/attention"
 
 
 def scale_names(layer: int) -> tuple[str, str]:
@@ -25,91 +29,95 @@ def scale_names(layer: int) -> tuple[str, str]:
     return f"model.layers.{layer}.self_attn.k_proj.k_scale", f"model.layers.{layer}.self_attn.v_proj.v_scale"
 
 
-def _sglang_generic(name: str) -> str:
-    # sglang/srt/model_loader/weight_utils.py, maybe_remap_kv_scale_name (lines 1816-1835):
-    # ".self_attn.{k,v}_proj.{k,v}_scale" -> ".self_attn.attn.{k,v}_scale", else ".{k,v}_scale" -> ".attn.{k,v}_scale"
-    m = re.search(r"\.self_attn\.([kv])_proj\.([kv])_scale$", name)
-    if m and m.group(1) == m.group(2):
-        return name[: m.start()] + f".self_attn.attn.{m.group(2)}_scale"
-    return re.sub(r"\.([kv])_scale$", r".attn.\1_scale", name)
-
-
-def _sglang_deepseek(name: str) -> str:
-    # sglang/srt/models/deepseek_common/deepseek_weight_loader.py, lines 515-523: a scale name that is not a
-    # parameter has "k_proj" / "v_proj" replaced by "attn_mqa"; any other name is looked up as it is.
-    for scale in ("k_scale", "v_scale"):
-        if scale in name:
-            return name.replace(f"{scale[0]}_proj", "attn_mqa")
-    return name
-
-
-def _vllm(attn: str) -> Callable[[str], str]:
-    # vllm/model_executor/model_loader/weight_utils.py, maybe_remap_kv_scale_name (lines 1764-1795): with an MLA
-    # model ("mla_attn" among the parameters) the ModelOpt pattern maps to ".self_attn.mla_attn.mla_attn";
-    # the default pattern ".{k,v}_scale" -> ".attn.{k,v}_scale" applies to every other name.
-    def remap(name: str) -> str:
-        m = re.search(r"\.self_attn\.([kv])_proj\.([kv])_scale$", name)
-        if m:
-            return name[: m.start()] + f".self_attn.{attn}.{m.group(2)}_scale"
-        return re.sub(r"\.([kv])_scale$", r".attn.\1_scale", name)
-
-    return remap
+def is_kv_scale(name: str) -> bool:
+    return bool(re.match(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?[kv]_scale$", name))
 
 
 @dataclass(frozen=True)
-class KVScaleRule:
+class BackendUse:
     engine: str
     version: str
-    attention: str  # gqa | mla
-    models: str
-    remap: Callable[[str], str]
-    parameter: str  # the model's scale parameter, {layer} and {kv} to fill in
+    attention: str  # gqa | mla | dsa (MLA with a sparse-attention indexer)
+    backend: str  # the engine's --attention-backend value
+    use: str  # used | unused | mismatched
+    how: str
     source: str
 
-    def lands(self, name: str) -> str | None:
-        """The engine parameter a checkpoint tensor named ``name`` is loaded into, or None when it is skipped."""
-        m = re.match(r"^model\.layers\.(\d+)\.", name)
-        target = self.remap(name)
-        if m is None:
-            return None
-        expected = {self.parameter.format(layer=m.group(1), kv=kv) for kv in "kv"}
-        return target if target in expected else None
 
-
-RULES = (
-    KVScaleRule("sglang", SGLANG_VERSION, "gqa", "Llama, Qwen and other loaders calling maybe_remap_kv_scale_name",
-                _sglang_generic, "model.layers.{layer}.self_attn.attn.{kv}_scale",
-                "sglang/srt/model_loader/weight_utils.py:1779-1840 (called from sglang/srt/models/llama.py:748)"),
-    KVScaleRule("sglang", SGLANG_VERSION, "mla", "DeepSeek-V3, Kimi K2, GLM 5.x (GlmMoeDsaForCausalLM subclasses "
-                "DeepseekV2ForCausalLM, sglang/srt/models/glm4_moe.py:1284)",
-                _sglang_deepseek, "model.layers.{layer}.self_attn.attn_mqa.{kv}_scale",
-                "sglang/srt/models/deepseek_common/deepseek_weight_loader.py:515-533; "
-                "attn_mqa is a RadixAttention, sglang/srt/models/deepseek_v2.py:2183"),
-    KVScaleRule("vllm", VLLM_VERSION, "mla", "DeepSeek-V3, GLM 5.x (deepseek_v2.py:2009) through deepseek_v2.py:1812",
-                _vllm("mla_attn.mla_attn"), "model.layers.{layer}.self_attn.mla_attn.mla_attn.{kv}_scale",
-                "vllm/model_executor/model_loader/weight_utils.py:1764-1779; the wrapper's MLAAttention, "
-                "vllm/model_executor/layers/mla.py:122"),
+BACKENDS = (
+    BackendUse("sglang", SGLANG_VERSION, "gqa", "fa3", "used",
+               "writes K / k_scale and V / v_scale into the FP8 cache and passes both as descales to the kernel",
+               f"{_POOL}:2897-2928; {_ATT}/flashattention_backend.py:1426-1434, 1536-1548"),
+    BackendUse("sglang", SGLANG_VERSION, "gqa", "triton", "used",
+               "writes K / k_scale and V / v_scale; reads with k_scale and v_scale as descales",
+               f"{_ATT}/triton_backend.py:1734-1742, 1835-1836"),
+    BackendUse("sglang", SGLANG_VERSION, "mla", "triton", "used",
+               "divides the latent by k_scale before the MLA pool's write and multiplies the scores by k_scale",
+               f"{_ATT}/triton_backend.py:1721-1733, 2325-2330 (write), 1835-1836, 2368-2369 (read)"),
+    BackendUse("sglang", SGLANG_VERSION, "mla", "fa3", "unused",
+               "the MLA pool's write is a plain cast and descales are passed only for head_dim <= 256 (MLA's latent is 576)",
+               f"{_POOL}:4970-4971, 5014-5024; {_ATT}/flashattention_backend.py:1426-1434"),
+    BackendUse("sglang", SGLANG_VERSION, "mla", "flashinfer", "unused",
+               "writes through the MLA pool's plain cast and never reads k_scale",
+               f"{_ATT}/flashinfer_mla_backend.py:720-733 (no reference to k_scale); {_POOL}:5014-5024"),
+    BackendUse("sglang", SGLANG_VERSION, "mla", "flashmla", "mismatched",
+               "writes through the MLA pool's plain cast but passes k_scale as the FP8 descale of q and k",
+               f"{_ATT}/flashmla_backend.py:445-464; {_POOL}:4970-4971"),
+    BackendUse("sglang", SGLANG_VERSION, "mla", "trtllm_mla", "mismatched",
+               "decode casts the latent to FP8 without a scale but multiplies the scores by k_scale",
+               f"sglang/kernels/ops/attention/utils.py:145-154; {_ATT}/trtllm_mla_backend.py:955-974, 1261-1263"),
+    BackendUse("sglang", SGLANG_VERSION, "dsa", "dsa", "unused",
+               "the FP8 cache of a sparse-attention model stores one FP32 scale per 128 values, computed when "
+               "written; no checkpoint scale enters that write (its trtllm decode path still multiplies the "
+               "scores by a loaded k_scale, dsa_backend.py:3952-3958: not traced further)",
+               f"{_POOL}:4786-4790, 5002-5012; {_ATT}/dsa_backend.py:3952-3958"),
 )
 
 
-def rules_for(engine: str, attention: str) -> list[KVScaleRule]:
-    return [r for r in RULES if r.engine == engine and r.attention == attention]
+def backends(engine: str, attention: str) -> list[BackendUse]:
+    return [b for b in BACKENDS if b.engine == engine and b.attention == attention]
 
 
-def engine_usage(attention: str, sparse: bool = False) -> dict[str, str]:
-    """Per engine, what it does with the scales quantkit writes for a model of this attention type
-    (``sparse``: a DSA/NSA model, whose sparse-attention backends never read them)."""
-    usage = {f"{e} {v}": "not traced in its source: unknown" for e, v in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION))}
-    for rule in RULES:
-        if rule.attention == attention:
-            key = f"{rule.engine} {rule.version}"
-            usage[key] = (f"loaded into {rule.parameter.format(layer='N', kv='k|v')} ({rule.source})"
-                          if rule.lands(scale_names(0)[0]) else "not loaded: served with scale 1.0")
-    if sparse:
-        usage["note"] = ("sparse-attention (DSA/NSA) FP8 KV backends compute per-tile scales at run time and "
-                         "do not use checkpoint scales")
+def attention_kind(family) -> str:
+    return "dsa" if family.has_indexer else family.attention
+
+
+def scale_backend(attention: str) -> BackendUse | None:
+    """The SGLang backend whose FP8 KV path uses calibrated scales for this attention type, if any."""
+    return next((b for b in backends("sglang", attention) if b.use == "used"), None)
+
+
+def engine_usage(config: dict) -> dict[str, str]:
+    """Per engine, one line: where its loader puts the scales quantkit writes and which attention backends
+    use them, for a model with this config."""
+    from quantkit.checkpoint.families import detect_family
+    from quantkit.verify.weight_names import loader_rules
+
+    family = detect_family(config)
+    kind = attention_kind(family)
+    usage = {}
+    for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
+        rules = loader_rules(engine, config.get("model_type"))
+        if rules is None:
+            usage[f"{engine} {version}"] = f"loader of model_type {config.get('model_type')!r} not traced in its source: unknown"
+            continue
+        rule, parameter = rules.place(scale_names(0)[0], config)
+        if parameter is None:
+            why = rule.note if rule is not None else "no parameter takes this name"
+            usage[f"{engine} {version}"] = f"not loaded, FP8 KV served with scale 1.0: {why} ({rules.engine} source: " \
+                                           f"{rule.source if rule is not None else rules.on_unknown})"
+            continue
+        loaded = f"loaded into {parameter.replace('.0.', '.N.').replace('k_scale', 'k|v_scale')}"
+        traced = backends(engine, kind)
+        if not traced:
+            usage[f"{engine} {version}"] = f"{loaded}; which attention backends use them: not traced"
+            continue
+        by_use = {u: [b.backend for b in traced if b.use == u] for u in ("used", "unused", "mismatched")}
+        parts = [f"used by {', '.join(by_use['used'])}" if by_use["used"] else "used by no traced backend"]
+        if by_use["unused"]:
+            parts.append(f"unused by {', '.join(by_use['unused'])}")
+        if by_use["mismatched"]:
+            parts.append(f"{', '.join(by_use['mismatched'])} write the cache unscaled but read it scaled: serve "
+                         "those with scale 1.0, not with these scales")
+        usage[f"{engine} {version}"] = f"{loaded}; " + "; ".join(parts)
     return usage
-
-
-def is_kv_scale(name: str) -> bool:
-    return bool(re.match(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?[kv]_scale$", name))

@@ -129,20 +129,22 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
 
 
 def _kv_scale_section(dst: Path, config: dict) -> list[str]:
-    """Per engine, whether its loader uses the calibrated KV scales (read in its source: kv/engine_names.py)."""
-    from quantkit.checkpoint.families import detect_family
+    """Per engine, where its loader puts the calibrated KV scales and which attention backends use them
+    (read in its source: kv/engine_names.py, verify/weight_names.py)."""
     from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.kv.engine_names import engine_usage, is_kv_scale, rules_for
+    from quantkit.kv.engine_names import SGLANG_VERSION, VLLM_VERSION, engine_usage, is_kv_scale
+    from quantkit.verify.weight_names import loader_rules, unplaced_tensors
 
-    family = detect_family(config)
-    names = [n for n in open_checkpoint(dst).tensors if is_kv_scale(n)]
+    names = sorted(n for n in open_checkpoint(dst).tensors if is_kv_scale(n))
     lines = ["### FP8 KV-cache scales", ""]
-    for engine, usage in engine_usage(family.attention, sparse=family.has_indexer).items():
+    for engine, usage in engine_usage(config).items():
         lines.append(f"- {engine}: {usage}")
-    for rule in rules_for("sglang", family.attention) + rules_for("vllm", family.attention):
-        if names and any(rule.lands(n) is None for n in names):
-            lines.append(f"- **{rule.engine} {rule.version} skips this checkpoint's scale tensors** (older names): "
-                         "it serves FP8 KV with scale 1.0")
+    for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
+        rules = loader_rules(engine, config.get("model_type"))
+        skipped = unplaced_tensors(names, config, rules) if rules is not None else []
+        if skipped:
+            lines.append(f"- **{engine} {version} skips this checkpoint's scale tensors** ({skipped[0].name}: "
+                         f"{skipped[0].reason})")
     return lines + [""]
 
 

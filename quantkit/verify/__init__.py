@@ -69,6 +69,7 @@ class VerifyReport:
     findings: list[Finding]
     worst: list[TensorError]
     checked: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why
     seconds: float = 0.0
 
 
@@ -93,6 +94,7 @@ def verify(
     rules = engine if isinstance(engine, EngineRules) else engine_rules(engine)
     findings: list[Finding] = []
     checked: dict[str, int] = defaultdict(int)
+    notes: list[str] = []
     worst: list[TensorError] = []
     try:
         ckpt = open_checkpoint(path)
@@ -104,7 +106,7 @@ def verify(
     checked["modules"] = len(stored)
     findings += _structure(ckpt, stored)
     findings += _engine(ckpt, stored, rules, tp)
-    findings += _kv_scales_load(ckpt, rules.name, checked)
+    findings += _names_load(ckpt, rules.name, checked, notes)
     findings += _integrity(ckpt, checked)
     if source is not None:
         try:
@@ -125,6 +127,7 @@ def verify(
         findings=findings,
         worst=worst[:10],
         checked=dict(checked),
+        notes=notes,
         seconds=time.perf_counter() - started,
     )
 
@@ -270,22 +273,22 @@ def _integrity(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
     return found
 
 
-def _kv_scales_load(ckpt: Checkpoint, engine: str, checked: dict[str, int]) -> list[Finding]:
-    """Every KV-scale tensor lands on a parameter of the engine's model (kv/engine_names.py): a skipped
-    scale is logged by the engine and FP8 KV is then served with scale 1.0, silently."""
-    from quantkit.checkpoint.families import detect_family
-    from quantkit.kv.engine_names import is_kv_scale, rules_for
+def _names_load(ckpt: Checkpoint, engine: str, checked: dict[str, int], notes: list[str]) -> list[Finding]:
+    """Every tensor of the index lands on a parameter of the engine's model after its loader's renaming
+    (verify/weight_names.py, read in the engine's source): a tensor it has no place for is skipped or fails
+    the load at serve time - a KV scale skipped this way leaves FP8 KV at scale 1.0 without a word."""
+    from quantkit.verify.weight_names import loader_rules, unplaced_tensors
 
-    found = []
-    for rule in rules_for(engine, detect_family(ckpt.config).attention):
-        for name in sorted(n for n in ckpt.tensors if is_kv_scale(n)):
-            checked["KV scales mapped"] += 1
-            if rule.lands(name) is None:
-                found.append(Finding("engine", f"every KV scale lands on a {rule.engine} {rule.version} parameter "
-                                     f"({rule.source})", f"skipped by the loader: {rule.engine} would serve FP8 KV "
-                                     "with scale 1.0; re-run calibrate-kv, which writes names every engine loads",
-                                     name, ckpt.tensors[name].file))
-    return found
+    rules = loader_rules(engine, ckpt.config.get("model_type"))
+    if rules is None:
+        notes.append(f"{engine}'s loader for model_type {ckpt.config.get('model_type')!r} was not read in its source: "
+                     "tensor names not checked against it")
+        return []
+    names = sorted(ckpt.tensors)
+    checked["tensor names mapped"] = len(names)
+    return [Finding("engine", f"every tensor lands on a {rules.engine} {rules.version} parameter of {rules.model_class}",
+                    u.reason, u.name, ckpt.tensors[u.name].file)
+            for u in unplaced_tensors(names, ckpt.config, rules)]
 
 
 def _param_key(name: str) -> str:
