@@ -583,3 +583,13 @@ def test_each_backend_fact_is_in_the_cited_source(sglang_wheel, fact):
         assert path in fact.source and text in lines(sglang_wheel, path, first, last), (path, first, last)
     if fact.backend == "flashinfer":
         assert "k_scale" not in source(sglang_wheel, "sglang/srt/layers/attention/flashinfer_mla_backend.py")
+
+
+def test_the_backends_plan_names_are_sglang_choices(sglang_wheel):
+    """Every backend a fact (and so `plan --deploy`) names is one SGLang 0.5.23's --attention-backend accepts."""
+    import ast
+
+    tree = ast.parse(source(sglang_wheel, "sglang/srt/arg_groups/choices.py"))
+    choices = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None) == "ATTENTION_BACKEND_CHOICES")
+    assert {b.backend for b in BACKENDS} <= set(choices)
