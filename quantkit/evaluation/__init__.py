@@ -26,6 +26,8 @@ from pathlib import Path
 
 from quantkit.checkpoint.writer import sha256_file
 from quantkit.errors import QuantkitError
+from quantkit.evaluation.generation import generation_stats
+from quantkit.evaluation.long_context import is_needle_task, needle_jsonl, needle_spec
 from quantkit.evaluation.run_dir import (
     EngineRecord,
     RunRecord,
@@ -79,6 +81,9 @@ TASKS = {
         "doc_to_text": "Question: {{question}}\nAnswer:",
         "doc_to_target": "{{answer.split('####')[-1].strip()}}",
         "metric": "exact_match",
+        "until": ["Question:", "\n\n"],
+        "max_gen_toks": 256,
+        "extract": r"(-?[$0-9.,]{2,})|(-?[0-9]+)",
     },
 }
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
@@ -93,18 +98,43 @@ class EvalResult:
     seconds: float
 
 
-def task_yaml(task: str, data_dir: Path) -> tuple[str, str, int]:
-    """The lm-eval YAML for a task over local data, a hash that names the data by content, and its item count."""
+TASK_DIR = "@TASK_DIR@"  # in a task YAML: the private folder its built data file is written to
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    yaml: str | None  # the lm-eval task YAML; None: lm-eval's own (hub-backed) task
+    digest: str  # names the task by content: its YAML with the data's sha256 in place of the path
+    items: int | None
+    data: bytes | None = None  # a data file quantkit builds (needle_<N>k), written beside the YAML
+
+
+def task_spec(task: str) -> dict:
+    if is_needle_task(task):
+        return needle_spec()
+    if task not in TASKS:
+        raise QuantkitError(f"unknown task {task} (known: {', '.join(TASKS)}, needle_<N>k)")
+    return TASKS[task]
+
+
+def task_yaml(task: str, data_dir: Path | None, tokenizer=None, max_context: int | None = None) -> TaskConfig:
+    """The lm-eval YAML of a task over local data (or data quantkit builds), named by its content."""
     import yaml
 
-    spec = TASKS[task]
-    data = data_dir / spec["file"]
-    if not data.is_file():
-        raise QuantkitError(f"missing data file for task {task}", data)
+    spec = task_spec(task)
+    if is_needle_task(task):
+        raw = needle_jsonl(task, tokenizer, max_context)
+        location = f"{TASK_DIR}/quantkit_{task}.jsonl"
+    else:
+        data = data_dir / spec["file"]
+        if not data.is_file():
+            raise QuantkitError(f"missing data file for task {task}", data)
+        raw = data.read_bytes()  # one read: the hash and the item count describe the same bytes
+        location = str(data.resolve())
     doc = {
         "task": f"quantkit_{task}",
         "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+        "dataset_kwargs": {"data_files": {"test": location}},
         "output_type": spec["output_type"],
         "test_split": "test",
         "doc_to_text": spec["doc_to_text"],
@@ -114,32 +144,49 @@ def task_yaml(task: str, data_dir: Path) -> tuple[str, str, int]:
         doc["doc_to_choice"] = spec["doc_to_choice"]
         doc["metric_list"] = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
     else:
-        doc["generation_kwargs"] = {"until": ["Question:", "\n\n"], "do_sample": False, "max_gen_toks": 256}
+        doc["generation_kwargs"] = {"until": spec["until"], "do_sample": False, "max_gen_toks": spec["max_gen_toks"]}
         doc["filter_list"] = [{"name": "flexible-extract", "filter": [
-            {"function": "regex", "group_select": -1, "regex_pattern": r"(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+            {"function": "regex", "group_select": -1, "regex_pattern": spec["extract"]},
             {"function": "take_first"}]}]
         doc["metric_list"] = [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
                                "ignore_case": True, "ignore_punctuation": False,
                                "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}]
-    raw = data.read_bytes()  # one read: the hash and the item count describe the same bytes
     identity = dict(doc, dataset_kwargs={"data_sha256": hashlib.sha256(raw).hexdigest()})
     items = sum(1 for line in raw.splitlines() if line.strip())
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return yaml.safe_dump(doc, sort_keys=False), digest, items
+    return TaskConfig(yaml.safe_dump(doc, sort_keys=False), digest, items, raw if is_needle_task(task) else None)
 
 
-def task_configs(tasks: list[str], data_dir: str | os.PathLike | None) -> dict[str, tuple[str | None, str, int | None]]:
-    """task -> (its lm-eval YAML over the local data, or None for lm-eval's own task; its config hash; its items)."""
-    if data_dir is None:
-        return {t: (None, f"lm-eval builtin {t}", None) for t in tasks}
-    return {t: task_yaml(t, Path(data_dir)) for t in tasks}
+def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Path | None = None,
+                 tokenizer=None) -> dict[str, TaskConfig]:
+    """Each task's config: an lm-eval YAML over the local data (or lm-eval's own task without ``data_dir``);
+    needle_<N>k tasks are built with the model's tokenizer."""
+    if tokenizer is None and model is not None and any(is_needle_task(t) for t in tasks):
+        tokenizer = _tokenizer(model)
+    max_context = _max_context(model) if model is not None else None
+    configs = {}
+    for t in tasks:
+        if is_needle_task(t):
+            configs[t] = task_yaml(t, None, tokenizer, max_context)
+        elif data_dir is None:
+            configs[t] = TaskConfig(None, f"lm-eval builtin {t}", None)
+        else:
+            configs[t] = task_yaml(t, Path(data_dir))
+    return configs
 
 
-def task_identities(configs: dict[str, tuple[str | None, str, int | None]], limit: int | None) -> dict[str, TaskIdentity]:
+def task_identities(configs: dict[str, TaskConfig], limit: int | None) -> dict[str, TaskIdentity]:
     """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit, items scored."""
-    return {t: TaskIdentity(config_sha256=digest, num_fewshot=0, limit=limit,
-                            items=None if items is None else min(items, limit or items))
-            for t, (_, digest, items) in configs.items()}
+    return {t: TaskIdentity(config_sha256=c.digest, num_fewshot=0, limit=limit,
+                            items=None if c.items is None else min(c.items, limit or c.items))
+            for t, c in configs.items()}
+
+
+def _max_context(model: Path) -> int | None:
+    from quantkit.checkpoint.reader import read_config
+
+    value = read_config(model).get("max_position_embeddings")
+    return int(value) if value else None
 
 
 def model_checksums(path: Path) -> dict[str, str]:
@@ -163,6 +210,7 @@ def model_checksums(path: Path) -> dict[str, str]:
 
 
 ENGINES = ("hf", "sglang", "openai")
+REPEAT_DIR = "repeat-2"  # RUN_DIR/repeat-2: the second run of ``--repeat 2`` (gate's default noise run)
 
 
 def evaluate(
@@ -183,6 +231,7 @@ def evaluate(
     health_timeout: float = 1800.0,
     on_progress: Callable[[str, int, int], None] | None = None,
     on_launch: Callable[[list[str]], None] | None = None,
+    repeat: int = 1,
 ) -> EvalResult:
     """Score MODEL on the tasks with one engine and keep every item's outcome in RUN_DIR.
 
@@ -191,6 +240,8 @@ def evaluate(
     still the local checkpoint: its tokenizer splits context from continuation, its checksums go
     into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
     ``engine_cmd`` is executable configuration: it runs as given, and ``on_launch(argv)`` is told first.
+    ``repeat=2`` runs everything again into RUN_DIR/repeat-2 with a request cache of its own: the engine's
+    run-to-run noise, which ``gate`` uses as its floor.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -202,12 +253,13 @@ def evaluate(
     started = time.perf_counter()
     if engine not in ENGINES:
         raise QuantkitError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    if repeat not in (1, 2):
+        raise QuantkitError(f"repeat must be 1 or 2, not {repeat}")
     if engine == "openai" and not url:
         raise QuantkitError("--engine openai needs --url of a running OpenAI-compatible server")
     tasks = tasks or list(TASKS)
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise QuantkitError(f"unknown task {unknown[0]} (known: {', '.join(TASKS)})")
+    for task in tasks:
+        task_spec(task)
     if kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     path = Path(model)
@@ -221,8 +273,8 @@ def evaluate(
     if run_dir.exists() and not run_dir.is_dir():
         raise QuantkitError("RUN_DIR exists and is not a folder", run_dir)
     (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-    configs = task_configs(tasks, data_dir)
     tokenizer = _tokenizer(path)
+    configs = task_configs(tasks, data_dir, path, tokenizer)
     template = getattr(tokenizer, "chat_template", None) or ""
     provenance = {
         "model": str(path.resolve()),
@@ -241,10 +293,12 @@ def evaluate(
     with ExitStack() as stack:
         task_folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-tasks-")))
         names = []
-        for task, (text, _, _) in configs.items():
-            if text is not None:
-                (task_folder / f"quantkit_{task}.yaml").write_text(text)
-            names.append(task if text is None else f"quantkit_{task}")
+        for task, config in configs.items():
+            if config.yaml is not None:
+                (task_folder / f"quantkit_{task}.yaml").write_text(config.yaml.replace(TASK_DIR, str(task_folder)))
+            if config.data is not None:
+                (task_folder / f"quantkit_{task}.jsonl").write_bytes(config.data)
+            names.append(task if config.yaml is None else f"quantkit_{task}")
         if engine == "hf":
             lm, engine_record = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
         else:
@@ -268,7 +322,8 @@ def evaluate(
         _check_same_run(run_dir, previous, record)
         write_run_record(run_dir, record)
 
-        manager = TaskManager(include_path=str(task_folder)) if data_dir is not None else TaskManager()
+        built = any(c.yaml is not None for c in configs.values())
+        manager = TaskManager(include_path=str(task_folder)) if built else TaskManager()
         cached = CachedLM(lm, RequestCache(run_dir / "cache" / "requests.jsonl"))
         scores = {}
         for task, name in zip(tasks, names):
@@ -284,8 +339,12 @@ def evaluate(
                 if server is not None:
                     server.check_alive(f"during task {task}")
                 raise EngineError(f"{url} failed during task {task}: {_cause(exc)}") from exc
-            scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name])
+            scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name], tokenizer)
     write_scores(run_dir, scores)
+    if repeat == 2:  # a fresh request cache: the engine answers everything again
+        evaluate(model, engine=engine, tasks=tasks, data_dir=data_dir, limit=limit, kv_cache_dtype=kv_cache_dtype,
+                 out=run_dir / REPEAT_DIR, batch_size=batch_size, tp=tp, ep=ep, url=url, engine_cmd=engine_cmd,
+                 mem_fraction=mem_fraction, health_timeout=health_timeout, on_progress=on_progress, on_launch=on_launch)
     return EvalResult(str(path), str(run_dir), engine, {t: s.model_dump() for t, s in scores.items()},
                       time.perf_counter() - started)
 
@@ -318,7 +377,7 @@ def finished_run(run_dir: str | os.PathLike, model: str | os.PathLike, engine: s
     except QuantkitError:
         return False
     return (meta.model_checksums == model_checksums(Path(model))
-            and meta.tasks == task_identities(task_configs(tasks, data_dir), limit)
+            and meta.tasks == task_identities(task_configs(tasks, data_dir, Path(model)), limit)
             and meta.engine.name == engine
             and meta.engine.args == settings
             and set(scores) == set(tasks)
@@ -386,8 +445,9 @@ def _cause(exc: BaseException) -> str:
     return f"{type(chain[-1]).__name__}: {chain[-1]}".replace("\n", " ")[:300]
 
 
-def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) -> TaskScore:
-    metric = TASKS[task]["metric"]
+def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict, tokenizer) -> TaskScore:
+    spec = task_spec(task)
+    metric = spec["metric"]
     key = next(k for k in results if k.startswith(metric + ",") and "stderr" not in k)
     stderr = results.get(key.replace(",", "_stderr,", 1))
     score = TaskScore(score=100 * float(results[key]), n=len(rows),
@@ -396,10 +456,14 @@ def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict) ->
     for row in rows:
         record = SampleRecord(item_id=f"{task}-{row['doc_id']}", prompt_hash=row["prompt_hash"],
                               correct=int(row[metric] > 0), gold=row["target"] if isinstance(row["target"], int) else None)
-        if TASKS[task]["output_type"] == "multiple_choice":
+        if spec["output_type"] == "multiple_choice":
             record.choice_logprobs = [float(r[0]) for r in row["filtered_resps"]]
         else:
             record.response = row["filtered_resps"][0] if row["filtered_resps"] else ""
+            raw = row["resps"][0][0] if row.get("resps") and row["resps"][0] else ""
+            stats = generation_stats(tokenizer(raw, add_special_tokens=False)["input_ids"], spec["max_gen_toks"])
+            record.generation, record.generated_tokens = raw, stats.tokens
+            record.hit_limit, record.repetition = stats.hit_limit, round(stats.repetition, 4)
         records.append(record)
     write_samples(run_dir, task, records)
     return score

@@ -60,6 +60,12 @@ class SampleRecord(_Strict):
     gold: int | None = Field(default=None, ge=0)
     choice_logprobs: list[float] | None = None
     response: str | None = None
+    # generative tasks (evaluation/generation.py): the answer as generated, its length in tokens, whether it
+    # ran into the length limit, and the share of it one back-to-back repeat covers
+    generation: str | None = None
+    generated_tokens: int | None = Field(default=None, ge=0)
+    hit_limit: bool | None = None
+    repetition: float | None = Field(default=None, ge=0, le=1)
 
     @field_validator("choice_logprobs")
     @classmethod

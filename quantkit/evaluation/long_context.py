@@ -1,0 +1,90 @@
+"""A long-context task from local text: find one of several access codes hidden in a long document.
+
+Short tasks can sit at parity while a quantized model loses points at 32K (published INT4/FP4 builds
+did). ``needle_<N>k`` builds N x 1024 tokens (counted with the model's own tokenizer) of filler from
+quantkit's bundled GSM8K train problems, hides ``KEYS`` sentences "The access code of <name> is
+<5 digits>." at random depths, and asks for one of them. Everything is drawn from a fixed seed, so the
+same tokenizer always gets the same items (and the task's data hash says so). A model that copies any
+code from the context without finding the right one scores 1/KEYS: that is the chance level.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+from quantkit.errors import QuantkitError
+
+NEEDLE_TASK = re.compile(r"^needle_(\d+)k$")
+KEYS = 4
+ITEMS = 50
+SEED = 0
+ANSWER_TOKENS = 16
+NAMES = ("Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Ginkgo", "Hazel", "Iris", "Juniper", "Kale", "Laurel",
+         "Maple", "Nettle", "Olive", "Poppy", "Quince", "Rowan", "Sage", "Thyme", "Umber", "Violet", "Willow", "Yarrow")
+
+
+def is_needle_task(task: str) -> bool:
+    return NEEDLE_TASK.match(task) is not None
+
+
+def context_tokens(task: str) -> int:
+    return int(NEEDLE_TASK.match(task).group(1)) * 1024
+
+
+def needle_spec() -> dict:
+    """The lm-eval task fields of every needle_<N>k task (its data file comes from ``needle_items``)."""
+    return {
+        "output_type": "generate_until",
+        "doc_to_text": "{{context}}\n\nQuestion: What is the access code of {{name}}?\nAnswer: The access code of {{name}} is",
+        "doc_to_target": "{{code}}",
+        "metric": "exact_match",
+        "until": ["\n"],
+        "max_gen_toks": ANSWER_TOKENS,
+        "extract": r"(\d{5})",
+    }
+
+
+def needle_items(task: str, tokenizer, max_context: int | None) -> list[dict]:
+    """The task's items: each a long context holding KEYS codes, the name asked for and its code."""
+    total = context_tokens(task)
+    if max_context is not None and total + ANSWER_TOKENS + 64 > max_context:
+        raise QuantkitError(f"task {task} needs {total:,} tokens of context; the model has {max_context:,}")
+    rng = random.Random(f"{SEED}-{task}")
+    filler = _filler_sentences()
+    costs = [len(ids) for ids in tokenizer([" " + s for s in filler], add_special_tokens=False)["input_ids"]]
+    items = []
+    for _ in range(ITEMS):
+        names = rng.sample(NAMES, KEYS)
+        codes = [f"{rng.randrange(10_000, 100_000)}" for _ in names]
+        needles = [f"The access code of {n} is {c}." for n, c in zip(names, codes)]
+        budget = total - sum(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in needles) - 48
+        text, used = [], 0
+        start = rng.randrange(len(filler))
+        while used < budget:
+            at = (start + len(text)) % len(filler)
+            if used + costs[at] > budget:
+                break
+            text.append(filler[at])
+            cost = costs[at]
+            used += cost
+        for needle in needles:
+            text.insert(rng.randrange(len(text) + 1), needle)
+        asked = rng.randrange(KEYS)
+        items.append({"context": " ".join(text), "name": names[asked], "code": codes[asked]})
+    return items
+
+
+def needle_jsonl(task: str, tokenizer, max_context: int | None) -> bytes:
+    return "".join(json.dumps(item) + "\n" for item in needle_items(task, tokenizer, max_context)).encode()
+
+
+def _filler_sentences() -> list[str]:
+    from quantkit.calibration_data import DEFAULT_DATA
+
+    sentences = []
+    for line in DEFAULT_DATA.read_text().splitlines():
+        question = json.loads(line)["text"].split("\n")[0]
+        sentences += [s.strip() + "." for s in question.split(".") if len(s.strip()) > 20 and not re.search(r"\d{5}", s)]
+    return sentences
