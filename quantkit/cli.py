@@ -333,6 +333,7 @@ def eval_cmd(
     url: Annotated[Optional[str], typer.Option(help="openai: base URL of the server (http://host:port).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,
     batch_size: BatchSizeOpt = 8,
+    repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, the engine's own noise floor for gate.")] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
@@ -343,7 +344,7 @@ def eval_cmd(
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
                           kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
                           engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
-                          on_progress=on_progress, on_launch=_print_launch)
+                          on_progress=on_progress, on_launch=_print_launch, repeat=repeat)
     if json_out:
         _emit_json(result)
         return
@@ -366,13 +367,14 @@ def gate_cmd(
     suite: Annotated[Optional[Path], typer.Option(help="Suite file (default: the built-in release suite).")] = None,
     margin: Annotated[Optional[float], typer.Option(min=0, help="One margin in accuracy points for every task (overrides the suite).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write verdict.json, report.md, report.html and forest.png here.")] = None,
+    noise: Annotated[Optional[Path], typer.Option(help="A second run of the baseline's model (A/A): the engine's noise floor [default: BASELINE/repeat-2 when present].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
     from quantkit.release.gate import gate
     from quantkit.release.report import markdown
 
-    result = gate(baseline, candidate, suite=suite, margin=margin, report_dir=report)
+    result = gate(baseline, candidate, suite=suite, margin=margin, report_dir=report, noise=noise)
     if json_out:
         _emit_json(result)
     else:

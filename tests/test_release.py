@@ -119,3 +119,4 @@ def test_the_shipped_example_config_is_valid():
     config = load_config(root / "release-example.yaml")
     assert config.eval.engine == "sglang" and config.eval.candidate_kv_cache_dtype == "fp8_e4m3"
     assert load_suite(root / config.suite).may_differ == ["engine.args.kv_cache_dtype"]
+    assert set(load_suite(root / config.suite).tasks) <= set(config.eval.tasks)  # it gates what it evaluates

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
 from quantkit.errors import QuantkitError, field_error
@@ -62,7 +62,7 @@ class EvalSettings(_Section):
     engine: str = "hf"
     engine_cmd: str | None = None
     url: str | None = None
-    tasks: list[str] = ["gsm8k", "arc_easy", "arc_challenge", "mmlu", "mmlu_pro"]
+    tasks: list[str] = ["gsm8k", "arc_easy", "arc_challenge", "mmlu", "mmlu_pro", "needle_8k", "needle_32k"]  # the release suite's
     data_dir: str | None = None
     limit: int | None = None
     batch_size: int = 8
@@ -73,6 +73,7 @@ class EvalSettings(_Section):
     kv_cache_dtype: str = "auto"  # the baseline's: the prefill pool's BF16 KV cache
     candidate_kv_cache_dtype: str | None = None  # default: fp8_e4m3 when calibrate_kv is set, else as the baseline
     baseline_run: str | None = None  # default WORK/runs/baseline; point at another release's to reuse it
+    repeat: int = Field(default=1, ge=1, le=2)  # 2: the baseline runs twice, the gate's engine-noise floor
 
 
 class PublishSettings(_Section):
@@ -155,6 +156,15 @@ def load_config(path: str | os.PathLike) -> ReleaseConfig:
         raise QuantkitError(field_error(exc), path) from exc
 
 
+def _suite_tasks_evaluated(config: ReleaseConfig, suite: Path | None, config_path: Path) -> None:
+    """The gate compares what eval ran: a suite task missing from eval.tasks is refused before hours of serving."""
+    from quantkit.release.gate import load_suite
+
+    missing = [t for t in load_suite(suite, config.margin).tasks if t not in config.eval.tasks]
+    if missing:
+        raise QuantkitError(f"the suite gates {', '.join(missing)}, which eval.tasks does not run", config_path)
+
+
 def release(
     config_path: str | os.PathLike,
     resume: bool = False,
@@ -174,6 +184,7 @@ def release(
             return None
         return Path(p) if Path(p).is_absolute() else (base / p).resolve()
 
+    _suite_tasks_evaluated(config, resolve(config.suite), config_path)
     work = resolve(config.work_dir) or base / f"{config_path.stem}-work"
     state_path = work / STATE_NAME
     state = _load_state(state_path)
@@ -197,13 +208,13 @@ def release(
     cand_kv = ev.candidate_kv_cache_dtype or ("fp8_e4m3" if config.calibrate_kv else ev.kv_cache_dtype)
     result = ReleaseResult(str(config_path), str(work))
 
-    def run_eval(model: Path, out: Path, kv: str):
+    def run_eval(model: Path, out: Path, kv: str, repeat: int = 1):
         from quantkit.evaluation import evaluate
 
         return evaluate(model, engine=ev.engine, tasks=ev.tasks, data_dir=data_dir, limit=ev.limit, kv_cache_dtype=kv,
                         out=out, batch_size=ev.batch_size, tp=ev.tp, ep=ev.ep, url=ev.url, engine_cmd=ev.engine_cmd,
                         mem_fraction=ev.mem_fraction, health_timeout=ev.health_timeout, on_progress=on_progress,
-                        on_launch=on_launch)
+                        on_launch=on_launch, repeat=repeat)
 
     def stage_plan():
         from quantkit.plan import plan
@@ -252,13 +263,15 @@ def release(
         return f"passed for {v.engine} tp={v.tp}"
 
     def stage_eval_baseline():
-        from quantkit.evaluation import engine_settings, finished_run
+        from quantkit.evaluation import REPEAT_DIR, engine_settings, finished_run
 
         settings = engine_settings(ev.engine, ev.kv_cache_dtype, ev.batch_size, ev.tp, ev.ep, ev.mem_fraction)
-        if finished_run(baseline_run, source, ev.engine, ev.tasks, data_dir, ev.limit, settings):
+        repeated = ev.repeat == 1 or finished_run(baseline_run / REPEAT_DIR, source, ev.engine, ev.tasks, data_dir,
+                                                  ev.limit, settings)
+        if repeated and finished_run(baseline_run, source, ev.engine, ev.tasks, data_dir, ev.limit, settings):
             scores = {t: s.model_dump() for t, s in read_scores(baseline_run).items()}
             return StageStatus.REUSED, _scores(scores)
-        return _scores(run_eval(source, baseline_run, ev.kv_cache_dtype).scores)
+        return _scores(run_eval(source, baseline_run, ev.kv_cache_dtype, ev.repeat).scores)
 
     def stage_eval_candidate():
         return _scores(run_eval(dst, candidate_run, cand_kv).scores)
@@ -270,8 +283,10 @@ def release(
         report = gate(baseline_run, candidate_run, suite=resolve(config.suite), margin=config.margin, report_dir=gate_dir)
         result.gate_table = markdown(report)
         if not report.passed:
-            failed = ", ".join(f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}] vs -{t.margin:g}"
-                               for t in report.tasks if not t.passed)
+            failed = ", ".join([f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}] vs -{t.margin:g}"
+                                for t in report.tasks if not t.passed]
+                               + [f"{c.task} {c.check} {c.estimate:.3g} [{c.low:.3g}, {c.high:.3g}] vs {c.limit:g}"
+                                  for c in report.behaviour if not c.passed])
             raise QuantkitError(f"the candidate fails the gate: {failed}; nothing is published "
                                 f"(report: {gate_dir / 'report.html'})")
         return "pass: " + ", ".join(f"{t.task} {t.delta:+.2f}" for t in report.tasks)

@@ -160,6 +160,19 @@ def _gate_section(verdict: GateReport | None) -> list[str]:
     for t in verdict.tasks:
         lines.append(f"| {t.task} | {t.n} | {t.baseline:.2f} | {t.candidate:.2f} | {t.delta:+.2f} | "
                      f"[{t.low:+.2f}, {t.high:+.2f}] | -{t.margin:g} | {'pass' if t.passed else 'FAIL'} |")
+    for c in verdict.behaviour:
+        if c.check == "output length":
+            lines.append(f"- {c.task}, length of generated answers: {c.candidate:.1f} tokens against {c.baseline:.1f} "
+                         f"(x{c.estimate:.3f}, interval [x{c.low:.3f}, x{c.high:.3f}], limit x{c.limit:.2f})")
+        else:
+            lines.append(f"- {c.task}, runaway generations (length limit or loop): {c.candidate:.1f} % against "
+                         f"{c.baseline:.1f} % ({c.estimate:+.2f} points, interval [{c.low:+.2f}, {c.high:+.2f}], "
+                         f"limit +{c.limit:g})")
+    by_task = {t.task: t for t in verdict.tasks}
+    for f in verdict.noise:
+        lines.append(f"- {f.task}, engine noise: the original flips {f.flip_rate:.1f} % of items between two runs of "
+                     f"itself; this model {by_task[f.task].flip_rate:.1f} % against it "
+                     f"({by_task[f.task].engine_noise})")
     return lines + [""]
 
 

@@ -22,8 +22,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import CannotCompare, QuantkitError, field_error
+from quantkit.evaluation import REPEAT_DIR
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
 from quantkit.packaged import suite_path
+from quantkit.release.behaviour import (
+    BehaviourCheck,
+    NoiseFloor,
+    has_generations,
+    length_check,
+    noise_floor,
+    read_noise_run,
+    runaway_check,
+)
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
 MODEL_FIELDS = ("model", "model_checksums", "created", "server")
@@ -50,6 +60,11 @@ class _SuiteRules(_Strict):
     # Provenance fields the candidate may change besides its weights, because they ship with it
     # (the decode pool's FP8 KV cache: engine.args.kv_cache_dtype). Printed with every verdict.
     may_differ: list[str] = Field(default_factory=list)
+    # Behaviour of generative tasks (release/behaviour.py): the candidate's answers may be this much longer
+    # (ratio - 1) and run away (hit the length limit or loop) on this many more points of items.
+    length_limit: float = Field(default=0.05, ge=0)
+    runaway_margin: float = Field(default=1.0, ge=0, le=100)
+    bootstrap_rounds: int = Field(default=2000, ge=100, le=100_000)
 
 
 class Suite(_SuiteRules):
@@ -88,6 +103,9 @@ class TaskVerdict(_Strict):
     items_for_margin: int  # items needed to certify the margin at that discordance
     signals: list[Signal] = Field(default_factory=list)
     decided_by: list[str] = Field(default_factory=list)
+    # with an A/A run: whether the candidate's flip rate is within the engine's own (noise floor)
+    engine_noise: Literal["indistinguishable from engine noise", "beyond engine noise"] | None = None
+    regression: bool | None = None  # a failing task whose flips exceed the noise floor
 
 
 class GateReport(_Strict):
@@ -101,6 +119,9 @@ class GateReport(_Strict):
     tasks: list[TaskVerdict]
     candidate_checksums: dict[str, str]  # every file the candidate ships with -> sha256
     allowed_differences: list[str] = Field(default_factory=list)  # by the suite's may_differ
+    behaviour: list[BehaviourCheck] = Field(default_factory=list)  # generative tasks: length, runaways
+    noise_run: str | None = None  # the A/A run of the baseline's model
+    noise: list[NoiseFloor] = Field(default_factory=list)
     report_files: list[str] = Field(default_factory=list)
 
 
@@ -159,11 +180,14 @@ def gate(
     suite: str | os.PathLike | None = None,
     margin: float | None = None,
     report_dir: str | os.PathLike | None = None,
+    noise: str | os.PathLike | None = None,
 ) -> GateReport:
     """Compare CANDIDATE's run with BASELINE's per the suite; write the report files when ``report_dir`` is given.
 
-    Raises CannotCompare (no verdict either way) when the runs or the suite cannot be read, or the
-    runs differ in more than the model and what the suite's ``may_differ`` allows.
+    ``noise``: a second run of the baseline's model (A/A) giving the engine's own flip rate; without it,
+    BASELINE/repeat-2 is used when ``eval --repeat 2`` wrote one. Raises CannotCompare (no verdict either
+    way) when the runs or the suite cannot be read, or the runs differ in more than the model and what the
+    suite's ``may_differ`` allows.
     """
     try:
         spec = load_suite(suite, margin)
@@ -181,25 +205,41 @@ def gate(
     k = len(spec.tasks)
     alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha
     z = NormalDist().inv_cdf(1 - alpha / 2)
-    verdicts = []
+    if noise is None and (Path(baseline) / REPEAT_DIR / "run.json").is_file():
+        noise = Path(baseline) / REPEAT_DIR
+    noise_record = read_noise_run(Path(noise), base_record) if noise is not None else None
+    verdicts, behaviour, floors = [], [], []
     for task, task_margin in spec.tasks.items():
         b, c = load_samples(Path(baseline), base_record, task), load_samples(Path(candidate), cand_record, task)
-        if set(b) != set(c):
-            raise CannotCompare(f"task {task}: the runs scored different items ({len(set(b) ^ set(c))} differ)", candidate)
-        ids = sorted(b)
-        for i in ids:
-            if b[i].prompt_hash != c[i].prompt_hash:
-                raise CannotCompare(f"task {task}: item {i} was prompted differently", candidate)
-        verdicts.append(_task_verdict(task, ids, b, c, task_margin, z, spec))
+        ids = _paired_items(task, b, c, candidate)
+        verdict = _task_verdict(task, ids, b, c, task_margin, z, spec)
+        if has_generations(b) or has_generations(c):
+            if not (has_generations(b) and has_generations(c)):
+                raise CannotCompare(f"task {task}: generation records (tokens, limit, repetition) in one run only; "
+                                    "re-run eval for the other", candidate)
+            behaviour += [length_check(task, ids, b, c, spec.length_limit, 1 - alpha, spec.bootstrap_rounds),
+                          runaway_check(task, ids, b, c, spec.runaway_margin, z)]
+        if noise_record is not None:
+            again = load_samples(Path(noise), noise_record, task)
+            _paired_items(task, b, again, noise)
+            floor = noise_floor(task, ids, b, again)
+            floors.append(floor)
+            within = verdict.flip_rate <= floor.flip_rate
+            verdict.engine_noise = "indistinguishable from engine noise" if within else "beyond engine noise"
+            verdict.regression = not verdict.passed and not within
+        verdicts.append(verdict)
     report = GateReport(
         baseline=str(baseline),
         candidate=str(candidate),
-        passed=all(v.passed for v in verdicts),
+        passed=all(v.passed for v in verdicts) and all(check.passed for check in behaviour),
         confidence=1 - alpha,
         correction=f"{spec.correction} over {k} tasks" if spec.correction == "bonferroni" else "none",
         tasks=verdicts,
         candidate_checksums=dict(cand_meta.get("model_checksums") or {}),
         allowed_differences=allowed,
+        behaviour=behaviour,
+        noise_run=str(noise) if noise is not None else None,
+        noise=floors,
     )
     if report_dir is not None:
         from quantkit.release.report import write_gate_report
@@ -208,6 +248,17 @@ def gate(
             raise CannotCompare("the report folder is a file", report_dir)
         report.report_files = [str(p) for p in write_gate_report(report, Path(report_dir))]
     return report
+
+
+def _paired_items(task: str, b: dict[str, SampleRecord], c: dict[str, SampleRecord], other) -> list[str]:
+    """The items both runs scored, each prompted the same way."""
+    if set(b) != set(c):
+        raise CannotCompare(f"task {task}: the runs scored different items ({len(set(b) ^ set(c))} differ)", other)
+    ids = sorted(b)
+    for i in ids:
+        if b[i].prompt_hash != c[i].prompt_hash:
+            raise CannotCompare(f"task {task}: item {i} was prompted differently", other)
+    return ids
 
 
 def _task_verdict(task, ids, b, c, margin, z, spec: Suite) -> TaskVerdict:

@@ -32,6 +32,32 @@ def forest_plot(report, path: Path) -> Path:
     return path
 
 
+def length_plot(report, path: Path) -> Path | None:
+    """Histograms of tokens per answer, baseline and candidate, one panel per generative task."""
+    checks = [c for c in report.behaviour if c.check == "output length"]
+    if not checks:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(checks), 1, figsize=(6.5, 2.4 * len(checks) + 0.6), squeeze=False)
+    for ax, c in zip(axes[:, 0], checks):
+        top = max(c.baseline_tokens + c.candidate_tokens + [1])
+        bins = range(0, top + max(1, top // 30), max(1, top // 30))
+        ax.hist(c.baseline_tokens, bins=bins, alpha=0.55, label=f"baseline (mean {c.baseline:.1f})", color="#4c72b0")
+        ax.hist(c.candidate_tokens, bins=bins, alpha=0.55, label=f"candidate (mean {c.candidate:.1f})", color="#dd8452")
+        ax.set_title(f"{c.task}: x{c.estimate:.2f} [{c.low:.2f}, {c.high:.2f}] tokens per answer, "
+                     f"{'pass' if c.passed else 'FAIL'}", fontsize=9)
+        ax.set_xlabel("generated tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def markdown(report) -> str:
     lines = [
         f"# Release gate: {'PASS' if report.passed else 'FAIL'}",
@@ -52,8 +78,32 @@ def markdown(report) -> str:
         for s in t.signals:
             interval = "" if s.low is None else f" [{s.low:+.3f}, {s.high:+.3f}]"
             lines.append(f"- {t.task}: {s.name} {s.estimate:+.3f}{interval} {s.unit}")
+    if report.behaviour:
+        lines += ["", "## Behaviour of generated answers", "",
+                  "| task | check | n | baseline | candidate | estimate | interval | limit | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in report.behaviour:
+            if c.check == "output length":
+                base, cand = f"{c.baseline:.1f} tokens", f"{c.candidate:.1f} tokens"
+                estimate = f"x{c.estimate:.3f} (median x{c.median_ratio:.3f})"
+                interval, limit = f"[x{c.low:.3f}, x{c.high:.3f}]", f"x{c.limit:.2f}"
+            else:
+                base, cand = f"{c.baseline:.1f} %", f"{c.candidate:.1f} %"
+                estimate, interval, limit = f"{c.estimate:+.2f} pts", f"[{c.low:+.2f}, {c.high:+.2f}]", f"+{c.limit:g} pts"
+            lines.append(f"| {c.task} | {c.check} | {c.n} | {base} | {cand} | {estimate} | {interval} | {limit} | "
+                         f"{'pass' if c.passed else 'FAIL'} |")
+    if report.noise_run:
+        lines += ["", f"## Engine noise (A/A: `{report.noise_run}`)", ""]
+        by_task = {t.task: t for t in report.tasks}
+        for f in report.noise:
+            t = by_task[f.task]
+            label = t.engine_noise + ("" if t.passed else (": a regression" if t.regression else ": not a regression"))
+            changed = "" if f.changed_answers is None else f", changes {f.changed_answers:.1f} % of its answers"
+            lines.append(f"- {f.task}: the baseline's model flips {f.flip_rate:.1f} % of items against itself (delta "
+                         f"{f.delta:+.2f}{changed}); the candidate flips {t.flip_rate:.1f} %: {label}")
     lines.append("")
-    lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}.")
+    lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}"
+                 f"{' and the behaviour checks' if report.behaviour else ''}.")
     if report.allowed_differences:
         lines.append(f"The candidate also differs, as the suite allows, in: {'; '.join(report.allowed_differences)}.")
     return "\n".join(lines) + "\n"
@@ -65,12 +115,15 @@ def write_gate_report(report, folder: Path) -> list[Path]:
     write_bytes_atomic(verdict, (report.model_dump_json(indent=2) + "\n").encode())
     md = folder / "report.md"
     write_bytes_atomic(md, markdown(report).encode())
-    png = forest_plot(report, folder / "forest.png")
-    image = base64.b64encode(png.read_bytes()).decode()
+    pngs = [forest_plot(report, folder / "forest.png")]
+    lengths = length_plot(report, folder / "lengths.png")
+    pngs += [lengths] if lengths is not None else []
+    images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
+                     for p in pngs)
     page = folder / "report.html"
     body = html.escape(markdown(report))
     write_bytes_atomic(page, (
         "<!doctype html><html><head><meta charset='utf-8'><title>quantkit gate</title></head><body>"
-        f"<img alt='forest plot' src='data:image/png;base64,{image}'><pre>{body}</pre></body></html>\n"
+        f"{images}<pre>{body}</pre></body></html>\n"
     ).encode())
-    return [verdict, md, png, page]
+    return [verdict, md, *pngs, page]

@@ -10,6 +10,8 @@ log-likelihoods, greedy generation with stop strings), and like SGLang it runs a
   exit-at-start    prints an error and exits 3 before listening
   crash-after=N    answers N completion requests, then dies (exit 9)
   malformed        /v1/completions answers a body that is not JSON
+  filler           the real model's answers, each followed by unrelated text worth half its tokens (x1.5)
+  loop             the real model's answers, except that one prompt in two loops to the token limit
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PLANTED = ("filler", "loop")
 
 
 def parse_args(argv):
@@ -78,21 +82,34 @@ class Scorer:
         if not self.real:
             return f" The answer is {int(hashlib.sha256(str(tokens).encode()).hexdigest(), 16) % 100}."
         torch = self.torch
-        ids = list(tokens)
-        text = ""
-        with self.lock, torch.no_grad():
-            for _ in range(max_tokens):
-                nxt = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
-                if nxt == self.tokenizer.eos_token_id:
-                    break
-                ids.append(nxt)
-                text = self.tokenizer.decode(ids[len(tokens):])
-                if any(s in text for s in stop):
-                    break
+        with self.lock, torch.no_grad():  # greedy, with the KV cache, stopping at a stop string or EOS
+            out = self.model.generate(torch.tensor([tokens]), max_new_tokens=max_tokens, do_sample=False,
+                                      stop_strings=stop or None, tokenizer=self.tokenizer,
+                                      pad_token_id=self.tokenizer.eos_token_id)
+        text = self.tokenizer.decode(out[0, len(tokens):], skip_special_tokens=True)
         for s in stop:
             if s in text:
                 text = text[: text.index(s)]
         return text
+
+    def planted(self, mode: str, tokens: list[int], text: str, max_tokens: int) -> str:
+        """A planted misbehaviour on top of the real answer ``text``."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if mode == "filler":
+            extra = self.tokenizer(FILLER, add_special_tokens=False)["input_ids"][: max(1, round(len(ids) / 2))]
+            return self.tokenizer.decode(ids[: max_tokens - len(extra)] + extra)
+        if mode == "loop" and int(hashlib.sha256(str(tokens).encode()).hexdigest(), 16) % 2 == 0:
+            step = self.tokenizer(" Let me check that again.", add_special_tokens=False)["input_ids"]
+            return self.tokenizer.decode((ids[:8] + step * max_tokens)[:max_tokens])
+        return text
+
+
+# Unrelated text, no stop strings in it and no sentence repeated: length without a loop.
+FILLER = (" As a side note, the history of arithmetic stretches back thousands of years, from tally marks on bone to"
+          " clay tablets in Mesopotamia, abacus beads in markets across Asia, and the positional notation that"
+          " travelled from India through Baghdad into medieval Europe, where merchants slowly adopted it for"
+          " bookkeeping, navigation, astronomy, surveying, engineering and, eventually, the design of machines that"
+          " compute faster than any clerk could write the figures down on paper by candlelight.")
 
 
 def serve(args) -> None:
@@ -110,7 +127,7 @@ def serve(args) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
-    scorer = Scorer(args.model_path, real=(mode == "model"))
+    scorer = Scorer(args.model_path, real=(mode == "model" or mode in PLANTED))
     served = {"n": 0}
     name = os.path.basename(os.path.normpath(args.model_path))
 
@@ -158,8 +175,9 @@ def serve(args) -> None:
                     choice = {"text": "", "logprobs": {"token_logprobs": lps, "top_logprobs": tops}}
                 else:
                     stop = request.get("stop") or []
-                    choice = {"text": scorer.generate(tokens, int(request.get("max_tokens", 16)),
-                                                      [stop] if isinstance(stop, str) else stop)}
+                    limit = int(request.get("max_tokens", 16))
+                    text = scorer.generate(tokens, limit, [stop] if isinstance(stop, str) else stop)
+                    choice = {"text": scorer.planted(mode, tokens, text, limit) if mode in PLANTED else text}
                 choices.append(dict(choice, index=i, finish_reason="stop"))
             self._send(200, json.dumps({"object": "text_completion", "model": name, "choices": choices}).encode())
 
