@@ -5,7 +5,8 @@ Five kinds of check, each finding naming the tensor and the rule:
              packed sizes match weight_shape; every expert complete; nothing stray or missing
   numbers    per-tensor error of the dequantized output against the dequantized source
   integrity  every shard's sha256 against the manifest
-  engine     the INT4 kernels' rules for the chosen engine and tensor-parallel size
+  engine     the INT4 kernels' rules for the chosen engine and tensor-parallel size, and every tensor name
+             through that engine's loader renaming (verify/weight_names.py): nothing it would skip
   smoke      small models load and run a forward pass; large ones are checked on the meta device
 Streaming like ``convert``: one module's tensors in memory at a time.
 """

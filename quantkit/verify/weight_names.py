@@ -14,7 +14,6 @@ mapping code, taken from those wheels, over the same names.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantkit.kv.engine_names import SGLANG_VERSION, VLLM_VERSION
@@ -291,18 +290,15 @@ class Unplaced:
     reason: str
 
 
-def unplaced_tensors(names: list[str], config: dict, rules: LoaderRules,
-                     on_each: Callable[[str, NameRule, str | None], None] | None = None) -> list[Unplaced]:
+def unplaced_tensors(names: list[str], config: dict, rules: LoaderRules) -> list[Unplaced]:
     """The tensors of a checkpoint that the engine's loader puts on no parameter of its model."""
     out = []
     for name in names:
-        rule, parameter = rules.place(name, config)
+        rule, _ = rules.place(name, config)
         if rule is None:
             out.append(Unplaced(name, f"{_why_unplaced(name, config)}; {rules.engine} {rules.on_unknown}"))
         elif rule.skipped:
             out.append(Unplaced(name, rule.note))
-        elif on_each is not None:
-            on_each(name, rule, parameter)
     return out
 
 
