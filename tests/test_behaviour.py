@@ -26,10 +26,10 @@ def test_a_loop_covers_the_answer_and_an_ordinary_answer_has_none():
     assert repeated_share([1, 2, 1, 2, 5, 6, 7, 8]) == 0.0  # two copies are not a loop
     assert repeated_share(list(range(200))) == 0.0 and repeated_share([]) == 0.0
     stuck = generation_stats([5, 9] * 128, 256)
-    assert stuck.hit_limit and stuck.looped and runaway(stuck.tokens, stuck.hit_limit, stuck.repetition)
+    assert stuck.hit_limit and stuck.looped and runaway(stuck.hit_limit, stuck.repetition)
     short = generation_stats(list(range(30)), 256)
-    assert not short.hit_limit and not short.looped and not runaway(30, False, 0.0)
-    assert runaway(100, False, LOOP_SHARE) and not runaway(100, False, LOOP_SHARE - 0.01)
+    assert not short.hit_limit and not short.looped and not runaway(False, 0.0)
+    assert runaway(False, LOOP_SHARE) and not runaway(False, LOOP_SHARE - 0.01)
 
 
 def records(tokens, limit=None, loops=()):

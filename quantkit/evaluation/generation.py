@@ -28,7 +28,7 @@ class GenerationStats:
 
     @property
     def looped(self) -> bool:
-        return self.repetition >= LOOP_SHARE
+        return looped(self.repetition)
 
 
 def generation_stats(token_ids: list[int], max_tokens: int) -> GenerationStats:
@@ -50,6 +50,10 @@ def repeated_share(ids: list[int]) -> float:
     return best / n if n else 0.0
 
 
-def runaway(tokens: int | None, hit_limit: bool | None, repetition: float | None) -> bool:
+def looped(repetition: float | None) -> bool:
+    return repetition is not None and repetition >= LOOP_SHARE
+
+
+def runaway(hit_limit: bool | None, repetition: float | None) -> bool:
     """A runaway generation: it hit the length limit or looped."""
-    return bool(hit_limit) or (repetition is not None and repetition >= LOOP_SHARE)
+    return bool(hit_limit) or looped(repetition)

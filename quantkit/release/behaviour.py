@@ -85,8 +85,8 @@ def runaway_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict
                   z: float) -> BehaviourCheck:
     from quantkit.release.gate import paired_interval
 
-    rb = [float(runaway(b[i].generated_tokens, b[i].hit_limit, b[i].repetition)) for i in ids]
-    rc = [float(runaway(c[i].generated_tokens, c[i].hit_limit, c[i].repetition)) for i in ids]
+    rb = [float(runaway(b[i].hit_limit, b[i].repetition)) for i in ids]
+    rc = [float(runaway(c[i].hit_limit, c[i].repetition)) for i in ids]
     delta, low, high = paired_interval([100 * (y - x) for x, y in zip(rb, rc)], z)
     return BehaviourCheck(task=task, check="runaway generations", n=len(ids), baseline=100 * sum(rb) / len(ids),
                           candidate=100 * sum(rc) / len(ids), estimate=delta, low=low, high=high, limit=margin,
