@@ -217,6 +217,6 @@ def test_needle_task_is_a_real_measurement_on_smollm2(smollm2_bf16, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_bf16)
-    assert needle_jsonl("needle_1k", tok, 8192) == needle_jsonl("needle_1k", tok, 8192)
-    item = json.loads(needle_jsonl("needle_1k", tok, 8192).splitlines()[0])
+    assert needle_jsonl("needle_1k", tok) == needle_jsonl("needle_1k", tok)
+    item = json.loads(needle_jsonl("needle_1k", tok).splitlines()[0])
     assert 900 < len(tok(item["context"])["input_ids"]) <= 1024 and f"The access code of {item['name']} is {item['code']}." in item["context"]

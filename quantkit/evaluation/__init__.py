@@ -27,7 +27,7 @@ from pathlib import Path
 from quantkit.checkpoint.writer import sha256_file
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.generation import generation_stats
-from quantkit.evaluation.long_context import is_needle_task, needle_jsonl, needle_spec
+from quantkit.evaluation.long_context import is_needle_task, needed_context, needle_jsonl, needle_spec
 from quantkit.evaluation.run_dir import (
     EngineRecord,
     RunRecord,
@@ -117,13 +117,13 @@ def task_spec(task: str) -> dict:
     return TASKS[task]
 
 
-def task_yaml(task: str, data_dir: Path | None, tokenizer=None, max_context: int | None = None) -> TaskConfig:
+def task_yaml(task: str, data_dir: Path | None, tokenizer=None) -> TaskConfig:
     """The lm-eval YAML of a task over local data (or data quantkit builds), named by its content."""
     import yaml
 
     spec = task_spec(task)
     if is_needle_task(task):
-        raw = needle_jsonl(task, tokenizer, max_context)
+        raw = needle_jsonl(task, tokenizer)
         location = f"{TASK_DIR}/quantkit_{task}.jsonl"
     else:
         data = data_dir / spec["file"]
@@ -157,17 +157,18 @@ def task_yaml(task: str, data_dir: Path | None, tokenizer=None, max_context: int
     return TaskConfig(yaml.safe_dump(doc, sort_keys=False), digest, items, raw if is_needle_task(task) else None)
 
 
-def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Path | None = None,
+def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Path,
                  tokenizer=None) -> dict[str, TaskConfig]:
     """Each task's config: an lm-eval YAML over the local data (or lm-eval's own task without ``data_dir``);
     needle_<N>k tasks are built with the model's tokenizer."""
-    if tokenizer is None and model is not None and any(is_needle_task(t) for t in tasks):
-        tokenizer = _tokenizer(model)
-    max_context = _max_context(model) if model is not None else None
+    needles = [t for t in tasks if is_needle_task(t)]
+    if needles:
+        _check_context(needles, model)
+        tokenizer = tokenizer if tokenizer is not None else _tokenizer(model)
     configs = {}
     for t in tasks:
         if is_needle_task(t):
-            configs[t] = task_yaml(t, None, tokenizer, max_context)
+            configs[t] = task_yaml(t, None, tokenizer)
         elif data_dir is None:
             configs[t] = TaskConfig(None, f"lm-eval builtin {t}", None)
         else:
@@ -182,11 +183,15 @@ def task_identities(configs: dict[str, TaskConfig], limit: int | None) -> dict[s
             for t, c in configs.items()}
 
 
-def _max_context(model: Path) -> int | None:
+def _check_context(needles: list[str], model: Path) -> None:
+    """A needle task longer than the model's context would be cut from the left by lm-eval: refuse it."""
     from quantkit.checkpoint.reader import read_config
 
-    value = read_config(model).get("max_position_embeddings")
-    return int(value) if value else None
+    context = read_config(model).get("max_position_embeddings")
+    for task in needles:
+        if context and needed_context(task) > int(context):
+            raise QuantkitError(f"task {task} needs {needed_context(task):,} tokens of context; max_position_embeddings "
+                                f"is {int(context):,}", model / "config.json")
 
 
 def model_checksums(path: Path) -> dict[str, str]:

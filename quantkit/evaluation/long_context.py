@@ -14,8 +14,6 @@ import json
 import random
 import re
 
-from quantkit.errors import QuantkitError
-
 NEEDLE_TASK = re.compile(r"^needle_(\d+)k$")
 KEYS = 4
 ITEMS = 50
@@ -46,11 +44,14 @@ def needle_spec() -> dict:
     }
 
 
-def needle_items(task: str, tokenizer, max_context: int | None) -> list[dict]:
+def needed_context(task: str) -> int:
+    """Tokens a model's context must hold for the task: the document, the question and the answer."""
+    return context_tokens(task) + 64 + ANSWER_TOKENS
+
+
+def needle_items(task: str, tokenizer) -> list[dict]:
     """The task's items: each a long context holding KEYS codes, the name asked for and its code."""
     total = context_tokens(task)
-    if max_context is not None and total + ANSWER_TOKENS + 64 > max_context:
-        raise QuantkitError(f"task {task} needs {total:,} tokens of context; the model has {max_context:,}")
     rng = random.Random(f"{SEED}-{task}")
     filler = _filler_sentences()
     costs = [len(ids) for ids in tokenizer([" " + s for s in filler], add_special_tokens=False)["input_ids"]]
@@ -67,8 +68,7 @@ def needle_items(task: str, tokenizer, max_context: int | None) -> list[dict]:
             if used + costs[at] > budget:
                 break
             text.append(filler[at])
-            cost = costs[at]
-            used += cost
+            used += costs[at]
         for needle in needles:
             text.insert(rng.randrange(len(text) + 1), needle)
         asked = rng.randrange(KEYS)
@@ -76,8 +76,8 @@ def needle_items(task: str, tokenizer, max_context: int | None) -> list[dict]:
     return items
 
 
-def needle_jsonl(task: str, tokenizer, max_context: int | None) -> bytes:
-    return "".join(json.dumps(item) + "\n" for item in needle_items(task, tokenizer, max_context)).encode()
+def needle_jsonl(task: str, tokenizer) -> bytes:
+    return "".join(json.dumps(item) + "\n" for item in needle_items(task, tokenizer)).encode()
 
 
 def _filler_sentences() -> list[str]:
