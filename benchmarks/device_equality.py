@@ -1,6 +1,7 @@
 """On a CUDA machine: the one rounding rule gives the same bits on every device.
 
-1. quantkit convert on CUDA and on CPU give byte-identical checkpoints.
+1. quantkit convert on CUDA (one GPU, and two where the machine has them) and on CPU give
+   byte-identical checkpoints.
 2. llm-compressor's model_free_ptq on CUDA (fp32 division in its Triton kernel) gives the same
    packed experts and scales as quantkit, bit for bit.
 
@@ -48,6 +49,11 @@ def main() -> None:
         convert(src, work / f"{family}-cuda", recipe, device="cuda")
         convert(src, work / f"{family}-cpu", recipe, device="cpu")
         report[f"{family}/{recipe}: cuda == cpu, byte for byte"] = tree(work / f"{family}-cuda") == tree(work / f"{family}-cpu")
+        if torch.cuda.device_count() > 1:
+            convert(src, work / f"{family}-2gpu", recipe, device="cuda:0,cuda:1", max_shard_size="2MB")
+            convert(src, work / f"{family}-cpu-small", recipe, device="cpu", max_shard_size="2MB")
+            report[f"{family}/{recipe}: two GPUs == cpu, byte for byte (2 MB shards)"] = \
+                tree(work / f"{family}-2gpu") == tree(work / f"{family}-cpu-small")
         report[f"{family} seconds"] = time.perf_counter() - t0
 
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
@@ -55,7 +61,7 @@ def main() -> None:
 
     src = work / "glm_moe_dsa-src"
     fp8 = [n.removesuffix(".weight_scale_inv") for n in json.loads((src / "model.safetensors.index.json").read_text())["weight_map"] if n.endswith("_scale_inv")]
-    model_free_ptq(src, work / "peer-cuda", config=load_recipe("glm5-int4-experts-g32").config, device="cuda:0",
+    model_free_ptq(src, work / "peer-cuda", config=load_recipe("glm5-int4-experts-g32").config.to_compressed_tensors(), device="cuda:0",
                    converter=FP8BlockDequantizer(targets=fp8))
     ours, peer = load_all(work / "glm_moe_dsa-cuda"), load_all(work / "peer-cuda")
     packed = [n for n in ours if n.endswith("weight_packed")]

@@ -1,8 +1,9 @@
 """``plan``: what a conversion will weigh and what it buys on the GPUs, before 700 GB are touched.
 
-Works from shard headers when the weights are present, or from config.json alone: the model
-class is built on the meta device and laid out the way releases store it (per-expert tensors,
-block-FP8 where the release has it, the MTP layer). The output size is not estimated: it is
+Works from shard headers when the weights are present, or from config.json alone: the tensors
+transformers' model class holds (checkpoint/layout.py, or the class built on the meta device for a
+family it does not cover), laid out the way releases store them (per-expert tensors, block-FP8
+where the release has it, the MTP layer). The output size is not estimated: it is
 the size of the exact files ``convert`` would write, from the same plan.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
+from quantkit.checkpoint.layout import model_tensors
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
 
@@ -259,13 +261,9 @@ def memory_chart(report: PlanReport, path: Path) -> Path:
 
 def virtual_checkpoint(root: Path) -> Checkpoint:
     """The tensors a release of this config would hold, from config.json alone (no data)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from quantkit.checkpoint.config import model_dtype_code
     from quantkit.checkpoint.families import mtp_extra_shapes
     from quantkit.checkpoint.reader import read_config
-    from quantkit.modeling import model_config, unfuse_experts
 
     config = read_config(root)
     n_mtp = int(config.get("num_nextn_predict_layers") or 0)
@@ -276,24 +274,34 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
     for per_layer in ("mlp_layer_types", "layer_types", "indexer_types"):
         if isinstance(shaped.get(per_layer), list):
             shaped[per_layer] = shaped[per_layer] + shaped[per_layer][-1:] * n_mtp
-    dtype = getattr(torch, DTYPES[model_dtype_code(config)][1])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config(shaped), dtype=dtype)
-    state = unfuse_experts(dict(model.state_dict()))
+    dtype = model_dtype_code(config)
+    state = model_tensors(shaped, dtype) or meta_model_tensors(shaped, dtype)
     for index in range(layers, layers + n_mtp):
         for name, shape in mtp_extra_shapes(config).items():
-            state[f"model.layers.{index}.{name}"] = torch.empty(shape, dtype=dtype, device="meta")
+            state[f"model.layers.{index}.{name}"] = (dtype, shape)
     fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     tensors: dict[str, TensorInfo] = {}
-    for name, t in state.items():
-        shape = tuple(t.shape)
+    for name, (code, shape) in state.items():
         if fp8 and release_stores_fp8(name, len(shape)):
             tensors[name] = _virtual(name, "F8_E4M3", shape)
             scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
             tensors[scale_name] = _virtual(scale_name, "F32", (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)))
         else:
-            tensors[name] = _virtual(name, TORCH_TO_CODE[str(t.dtype).removeprefix("torch.")], shape)
+            tensors[name] = _virtual(name, code, shape)
     return Checkpoint(root=root, config=config, shards=[], tensors=tensors, other_files=[])
+
+
+def meta_model_tensors(config: dict, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What transformers' model of ``config``, built on the meta device, holds (per-expert names)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.modeling import model_config, unfuse_experts
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(config), dtype=getattr(torch, DTYPES[dtype][1]))
+    state = unfuse_experts(dict(model.state_dict()))
+    return {name: (TORCH_TO_CODE[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for name, t in state.items()}
 
 
 def _virtual(name: str, code: str, shape: tuple[int, ...]) -> TensorInfo:

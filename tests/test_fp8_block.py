@@ -4,14 +4,14 @@ import pytest
 import torch
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-from quantkit.formats import fp8_block
+from quantkit.formats import fp8_block, shapes
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (160, 256), (300, 200)])  # full and partial edge blocks
 def test_dequantize_equals_fp8_block_dequantizer(shape):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.05
     q, scale_inv = fp8_block.quantize_fp8_block(w)
-    assert scale_inv.shape == fp8_block.expected_scale_shape(shape, (128, 128))
+    assert scale_inv.shape == shapes.expected_scale_shape(shape, (128, 128))
     ours = fp8_block.dequantize_fp8_block(q, scale_inv)
     theirs = FP8BlockDequantizer(targets=["Linear"]).process({"m.weight": q, "m.weight_scale_inv": scale_inv})
     assert torch.equal(ours, theirs["m.weight"])

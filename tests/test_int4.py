@@ -7,7 +7,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-from quantkit.formats import int4
+from quantkit.formats import int4, shapes
 
 
 def args(group_size: int) -> QuantizationArgs:
@@ -74,5 +74,5 @@ def test_dequantize_equals_compressed_tensors(group_size):
 
 
 def test_group_size_check():
-    assert int4.check_group_size(512, 128) is None
-    assert "does not divide" in int4.check_group_size(96, 64)
+    assert shapes.check_group_size(512, 128) is None
+    assert "does not divide" in shapes.check_group_size(96, 64)

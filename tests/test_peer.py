@@ -38,7 +38,7 @@ def run_peer(src, dst, fp8: bool, dequantize_only=None):
     recipe = load_recipe("glm5-int4-experts-g32")
     fp8_modules = [n.removesuffix(".weight_scale_inv") for n in open_checkpoint(src).tensors if n.endswith("_scale_inv")]
     converter = FP8BlockDequantizer(targets=dequantize_only or fp8_modules) if fp8 else None
-    model_free_ptq(src, dst, config=recipe.config, device="cpu", converter=converter)
+    model_free_ptq(src, dst, config=recipe.config.to_compressed_tensors(), device="cpu", converter=converter)
 
 
 @pytest.fixture(scope="module")

@@ -315,6 +315,10 @@ def shipped_files(folder: Path) -> list[dict]:
     return files
 
 
+# safetensors integer codes as struct formats (little-endian: the only byte order quantkit runs on)
+_INT_FORMATS = {"I8": "b", "U8": "B", "I16": "h", "U16": "H", "I32": "i", "U32": "I", "I64": "q", "U64": "Q"}
+
+
 class TensorReader:
     """Reads tensors by name with pread; one open descriptor per shard, safe across threads."""
 
@@ -329,9 +333,7 @@ class TensorReader:
             self._fds[file] = fd
         return fd
 
-    def read(self, name: str):
-        import torch
-
+    def _bytes(self, name: str) -> bytearray:
         info = self.checkpoint.tensors[name]
         buf = bytearray(info.nbytes)
         view = memoryview(buf)
@@ -341,10 +343,24 @@ class TensorReader:
             if got == 0:
                 raise QuantkitError("truncated while reading", self.checkpoint.root / info.file, name)
             done += got
+        return buf
+
+    def read(self, name: str):
+        import torch
+
+        info = self.checkpoint.tensors[name]
+        buf = self._bytes(name)
         dtype = getattr(torch, DTYPES[info.dtype][1])
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.shape)
+
+    def read_ints(self, name: str) -> list[int]:
+        """A small integer tensor's values, flattened, without torch (``weight_shape`` and the like)."""
+        info = self.checkpoint.tensors[name]
+        if info.dtype not in _INT_FORMATS:
+            raise QuantkitError(f"expected an integer tensor, found {info.dtype}", self.checkpoint.root / info.file, name)
+        return memoryview(self._bytes(name)).cast(_INT_FORMATS[info.dtype]).tolist()
 
     def close(self) -> None:
         for fd in self._fds.values():

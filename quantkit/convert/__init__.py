@@ -38,7 +38,6 @@ from quantkit.checkpoint.writer import (
     write_bytes_atomic,
     write_error,
 )
-from quantkit.convert import gptq
 from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan, OutputShard, plan_conversion
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
@@ -127,6 +126,8 @@ def convert(
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
     :param on_gptq_layer: ``on_gptq_layer(report, layers)`` after each GPTQ layer (convert/gptq.py).
     """
+
+    from quantkit.convert import gptq  # torch: only a conversion needs it (imported before the clock starts)
     started = time.perf_counter()
     if resume and force:
         raise QuantkitError("--resume and --force exclude each other")
@@ -223,6 +224,8 @@ def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | No
 
 
 def _needs_gptq(todo, ckpt, plan, rec) -> bool:
+    from quantkit.convert import gptq
+
     targets = {t.module for layer in gptq.gptq_targets(ckpt, plan, rec).values() for t in layer}
     return any(a.module in targets for s in todo for a in s.actions)
 
@@ -565,28 +568,24 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
 
 
 def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
-    """quantization_config for config.json, built with compressed-tensors' own models.
+    """quantization_config for config.json: compressed-tensors' JSON of the recipe's groups.
 
     Only groups that quantized something are kept, so the config describes exactly the
     quantized tensors the checkpoint holds; the format is the single one used, or
-    ``mixed-precision`` when groups differ.
+    ``mixed-precision`` when groups differ. The JSON is formats/quant_config.py's, which
+    tests/test_quant_config.py holds equal to compressed-tensors' own dump of the same config
+    (importing compressed-tensors would add seconds of transformers imports to every conversion).
     """
-    from compressed_tensors import __version__ as ct_version
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from importlib.metadata import version
 
     used = plan.weights_by_group
     groups = {name: scheme for name, scheme in recipe.config.config_groups.items() if name in used}
     formats = {scheme.format for scheme in groups.values()}
     fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    config = QuantizationConfig(
-        config_groups=groups,
-        ignore=list(recipe.config.ignore or []),
-        kv_cache_scheme=recipe.config.kv_cache_scheme,
-        quantization_status=QuantizationStatus.COMPRESSED,
-        format=fmt,
-    )
-    data = config.model_dump(mode="json")
-    return {"version": ct_version, "quant_method": "compressed-tensors", **data}
+    config = recipe.config.model_copy(update={"config_groups": groups, "ignore": list(recipe.config.ignore or []),
+                                              "quantization_status": "compressed", "format": fmt})
+    return {"version": version("compressed-tensors"), "quant_method": "compressed-tensors",
+            **config.model_dump(mode="json")}
 
 
 def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, manifest: Manifest) -> None:

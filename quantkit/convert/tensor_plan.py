@@ -15,15 +15,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
-from compressed_tensors.quantization import QuantizationScheme
-
 from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
-from quantkit.formats import fp8_block, int4
 from quantkit.formats.describe import described_by
+from quantkit.formats.quant_config import QuantizationScheme
 from quantkit.formats.recipe import Recipe
+from quantkit.formats.shapes import check_group_size, expected_scale_shape
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
     if weight.dtype == "F8_E4M3":
         if scale_inv is None:
             raise QuantkitError("FP8 weight without its scale (weight_scale_inv)", where(weight), weight.name)
-        expected = fp8_block.expected_scale_shape(weight.shape, block) if len(weight.shape) == 2 else None
+        expected = expected_scale_shape(weight.shape, block) if len(weight.shape) == 2 else None
         if scale_inv.shape != expected:
             raise QuantkitError(
                 f"scale of the wrong shape: {list(scale_inv.shape)}, expected {list(expected or ())} for "
@@ -226,7 +225,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
                 where(weight),
                 weight.name,
             )
-        rows, cols = fp8_block.expected_scale_shape(weight.shape, block)
+        rows, cols = expected_scale_shape(weight.shape, block)
         outputs = (
             OutputTensor(weight.name, "F8_E4M3", weight.shape),
             OutputTensor(f"{module}.weight_scale", "F32", (rows, cols)),
@@ -275,7 +274,7 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
         )
         return Action(ActionKind.INT4_KEEP, module, sources, outputs, "int4_packed", group, src_gs, src_gs)
     gs = scheme.weights.group_size or out_shape[1]
-    problem = int4.check_group_size(out_shape[1], gs)
+    problem = check_group_size(out_shape[1], gs)
     if problem:
         raise QuantkitError(problem, path, packed.name)
     return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
@@ -331,7 +330,7 @@ def _is_fp8_block(scheme: QuantizationScheme) -> bool:
 def _group_size(scheme, weight: TensorInfo, ckpt: Checkpoint, recipe: Recipe) -> int:
     in_features = weight.shape[1]
     gs = scheme.weights.group_size if scheme.weights.strategy == "group" else in_features
-    problem = int4.check_group_size(in_features, gs)
+    problem = check_group_size(in_features, gs)
     if problem:
         raise QuantkitError(f"recipe {recipe.name}: {problem}", ckpt.root / weight.file, weight.name)
     return gs

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compressed_tensors.utils.match import match_name
-
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
+from quantkit.formats.quant_config import QuantizationConfig, match_name
 from quantkit.formats.recipe import Recipe
 
 
@@ -24,8 +23,6 @@ class Mismatch:
 
 def described_by(ckpt: Checkpoint) -> Recipe | None:
     """The checkpoint's compressed-tensors quantization_config, read as a recipe for lookups."""
-    from compressed_tensors.quantization import QuantizationConfig
-
     qc = ckpt.config.get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         return None

@@ -7,19 +7,15 @@ compressed-tensors' FP8BlockDequantizer does (a test holds the two equal bit for
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from quantkit.formats.shapes import expected_scale_shape
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # config.json's quantization_config of a DeepSeek-V3 / GLM 5.x block-FP8 release.
 RELEASE_QUANTIZATION_CONFIG = {
     "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
 }
-
-
-def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
 
 
 def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:

@@ -24,14 +24,6 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("quantkit's INT4 packing assumes a little-endian host")
 
 
-def check_group_size(in_features: int, group_size: int) -> str | None:
-    if in_features % group_size:
-        return f"group size {group_size} does not divide in_features {in_features}"
-    if in_features % 8:
-        return f"in_features {in_features} is not a multiple of 8 (INT4 packs 8 per int32)"
-    return None
-
-
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (q int8 [out, in], scale [out, in/group_size] in w's dtype)."""
     out, inn = w.shape

@@ -1,4 +1,4 @@
-"""Recipes: llm-compressor's YAML format, read into compressed-tensors' own config models.
+"""Recipes: llm-compressor's YAML format, read into compressed-tensors' config models.
 
 A recipe is the QuantizationModifier or GPTQModifier of an llm-compressor recipe
 (``config_groups`` or ``scheme`` + ``targets``, ``ignore``, ``kv_cache_scheme``; GPTQ adds
@@ -6,7 +6,8 @@ A recipe is the QuantizationModifier or GPTQModifier of an llm-compressor recipe
 calibration data, which llm-compressor takes from ``oneshot``'s arguments; a quantkit recipe
 carries it in a top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader
 passes over. We parse the YAML ourselves rather than import llm-compressor (seconds of import
-time for a dictionary walk); a test holds the result equal to llm-compressor's own parsing.
+time for a dictionary walk), into formats/quant_config.py's models, which parse as compressed-tensors
+does without importing it; tests hold the result equal to llm-compressor's and compressed-tensors' own.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    QuantizationStatus,
-    preset_name_to_scheme,
-)
-from compressed_tensors.utils.match import match_name
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.errors import QuantkitError, field_error
+from quantkit.formats.quant_config import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    match_name,
+    preset_scheme,
+)
 from quantkit.packaged import recipe_path
 from quantkit.yaml_file import load_yaml_with_bytes
 
@@ -179,7 +179,7 @@ def _build_config(mod: dict, path: Path) -> QuantizationConfig:
             targets = [targets] if isinstance(targets, str) else list(targets)
             scheme = mod["scheme"]
             if isinstance(scheme, str):
-                groups["group_0"] = preset_name_to_scheme(scheme, targets)
+                groups["group_0"] = preset_scheme(scheme, targets)
             else:
                 groups["group_0"] = QuantizationScheme(targets=targets, **scheme)
         if not groups:
@@ -190,7 +190,7 @@ def _build_config(mod: dict, path: Path) -> QuantizationConfig:
             config_groups=groups,
             ignore=[ignore] if isinstance(ignore, str) else list(ignore),
             kv_cache_scheme=QuantizationArgs.model_validate(kv) if kv else None,
-            quantization_status=QuantizationStatus.INITIALIZED,
+            quantization_status="initialized",
         )
     except ValidationError as exc:
         raise QuantkitError(f"invalid QuantizationModifier: {context}{field_error(exc)}", path) from exc

@@ -147,7 +147,12 @@ def _stored_modules(ckpt: Checkpoint, findings: list[Finding]) -> dict[str, _Sto
                     findings.append(Finding("structure", "packed INT4 has weight_scale and weight_shape",
                                             "missing weight_scale or weight_shape", name, info.file))
                     continue
-                rows, cols = (int(d) for d in reader.read(shape_name).tolist())
+                dims = reader.read_ints(shape_name)
+                if len(dims) != 2:
+                    findings.append(Finding("structure", "weight_shape holds [out, in]", f"{dims}", shape_name,
+                                            ckpt.tensors[shape_name].file))
+                    continue
+                rows, cols = dims
                 scale = ckpt.tensors[scale_name]
                 if tuple(info.shape) != (rows, math.ceil(cols / 8)) or info.dtype != "I32":
                     findings.append(Finding("structure", "weight_packed is int32 [out, in/8] of weight_shape",

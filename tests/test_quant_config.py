@@ -1,0 +1,114 @@
+"""formats/quant_config.py parses and dumps exactly as compressed-tensors 0.19 does, without importing it."""
+
+import random
+import warnings
+
+import pytest
+import yaml
+from compressed_tensors.quantization import QuantizationArgs as CTArgs
+from compressed_tensors.quantization import QuantizationConfig as CTConfig
+from compressed_tensors.quantization import QuantizationScheme as CTScheme
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+from quantkit.formats import quant_config as ours
+from quantkit.formats.recipe import load_recipe
+from quantkit.packaged import recipes_dir
+
+VALUES = dict(
+    num_bits=[4, 8, 16, "4", 3, 32], type=["int", "float", "INT", "fp"], symmetric=[True, False],
+    group_size=[None, 32, 128, -1, 0, -2], strategy=[None, "group", "channel", "tensor", "block", "token", "TENSOR_GROUP",
+                                                     "attn_head", "bogus"],
+    block_structure=[None, [128, 128], "64x64", [1], [0, 5], "axb"], dynamic=[False, True, "local", "LOCAL", "true"],
+    actorder=[None, "static", "weight", "group", "dynamic", True, False, "Static"], observer=[None, "minmax"],
+    scale_dtype=[None, "float16", "torch.bfloat16"], zp_dtype=[None, "int8"], observer_kwargs=[{}, {"averaging_constant": 0.1}],
+)
+
+
+def parsed(model, data):
+    """("ok", the JSON dump) or ("refused", None): what each library makes of ``data``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return "ok", model.model_validate(data).model_dump(mode="json")
+        except (ValueError, TypeError, NotImplementedError):  # pydantic's ValidationError is a ValueError
+            return "refused", None
+
+
+def test_args_over_a_generated_grid():
+    rng = random.Random(0)
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(3000):
+        data = {k: rng.choice(v) for k, v in VALUES.items() if rng.random() < 0.5}
+        theirs = parsed(CTArgs, data)
+        assert parsed(ours.QuantizationArgs, data) == theirs, data
+        outcomes[theirs[0]] += 1
+    assert min(outcomes.values()) > 300  # the grid exercises both acceptance and every kind of refusal
+
+
+@pytest.mark.parametrize("recipe", sorted(recipes_dir().glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_built_in_recipe_reads_as_compressed_tensors_reads_it(recipe):
+    doc = yaml.safe_load(recipe.read_text())
+    doc.pop("quantkit_calibration", None)
+    modifier = next(mod for stage in doc.values() for mods in stage.values() for mod in mods.values())
+    expected = {name: parsed(CTScheme, group) for name, group in modifier["config_groups"].items()}
+    assert {name: parsed(ours.QuantizationScheme, group) for name, group in modifier["config_groups"].items()} == expected
+    config = load_recipe(recipe).config.model_dump(mode="json")
+    assert {name: ("ok", group) for name, group in config["config_groups"].items()} == expected
+    assert config == CTConfig.model_validate(config).model_dump(mode="json")
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_SCHEMES))
+def test_presets(name):
+    theirs = preset_name_to_scheme(name, ["Linear"]).model_dump(mode="json")
+    assert ours.preset_scheme(name, ["Linear"]).model_dump(mode="json") == theirs
+    as_group = {"config_groups": {name: ["Linear"]}}
+    assert parsed(ours.QuantizationConfig, as_group) == parsed(CTConfig, as_group)
+
+
+@pytest.mark.parametrize("scheme", [
+    {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32}, "input_activations": {"strategy": "channel"}},
+    {"targets": ["Linear"], "input_activations": {"num_bits": 8, "dynamic": True, "strategy": "token", "actorder": "weight"}},
+    {"targets": ["Linear"], "output_activations": {"num_bits": 8, "actorder": "static"}},
+    {"targets": ["Linear"], "format": "mixed-precision"},
+    {"targets": ["Linear"], "format": "pack-quantized", "weights": {"num_bits": 4, "group_size": 128}},
+    {"targets": "Linear"},
+    {"targets": ["Linear"], "weights": {"num_bits": 4}, "extra": 1},
+])
+def test_scheme_checks(scheme):
+    assert parsed(ours.QuantizationScheme, scheme) == parsed(CTScheme, scheme)
+
+
+def test_match_name_is_compressed_tensors_own():
+    from compressed_tensors.utils.match import match_name
+
+    names = ["model.layers.3.mlp.experts.7.gate_proj", "lm_head", "model.layers.10.self_attn.o_proj"]
+    targets = ["lm_head", "re:.*experts.*", "re:model\\.layers\\.1", "re:.*proj$", "model.layers.10.self_attn.o_proj"]
+    assert [[ours.match_name(n, t) for t in targets] for n in names] == [[match_name(n, t) for t in targets] for n in names]
+
+
+FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
+def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, recipe):
+    from compressed_tensors import __version__
+    from compressed_tensors.quantization import QuantizationStatus
+
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.convert import output_quantization_config
+    from quantkit.convert.tensor_plan import plan_conversion
+
+    family = next(f for prefix, f in FAMILY_OF.items() if recipe.startswith(prefix))
+    rec = load_recipe(recipe)
+    plan = plan_conversion(open_checkpoint(synthetic[family]), rec, 5 * 10**9)
+    written = output_quantization_config(rec, plan)
+    groups = {name: CTScheme.model_validate(s.model_dump(mode="json"))
+              for name, s in rec.config.config_groups.items() if name in plan.weights_by_group}
+    kv = rec.config.kv_cache_scheme
+    theirs = CTConfig(config_groups=groups, ignore=list(rec.config.ignore or []),
+                      kv_cache_scheme=CTArgs.model_validate(kv.model_dump(mode="json")) if kv else None,
+                      quantization_status=QuantizationStatus.COMPRESSED, format=written["format"])
+    expected = {"version": __version__, "quant_method": "compressed-tensors", **theirs.model_dump(mode="json")}
+    assert written == expected
+    assert list(written) == list(expected)  # the key order too: config.json's bytes depend on it
