@@ -3,6 +3,12 @@
 The same tensors in the same order always give the same bytes (what makes a resumed run
 byte-identical to an uninterrupted one). A file appears under its final name only once it is
 complete and fsynced; a failure removes the partial file.
+
+A shard's bytes start for the disk while the shard is still being written: every
+``WRITEBACK_CHUNK`` the kernel is asked to write the new range out (Linux ``sync_file_range``),
+and the range before it is waited for, so at most two chunks per shard are dirty in memory and
+the final fsync finds almost nothing left to do. Without this, each 5 GB shard sat in the page
+cache until its fsync and all output reached the disk at the end of the run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class WrittenFile:
 
 
 PARTIAL_SUFFIX = ".partial"
+WRITEBACK_CHUNK = 64 << 20
 LOCK_NAME = ".quantkit.lock"
 
 
@@ -78,7 +85,8 @@ class ShardWriter:
     checked against its planned dtype and shape, so a shard never has to sit whole in memory.
     """
 
-    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata=None):
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata=None,
+                 writeback_chunk: int = WRITEBACK_CHUNK):
         self.path = path
         self.entries = list(entries)
         self._next = 0
@@ -87,6 +95,9 @@ class ShardWriter:
         self._size = 0
         self._file = None
         self._header = safetensors_header(self.entries, metadata)
+        self._chunk = writeback_chunk
+        self._started = 0  # bytes handed to the kernel's writeback so far
+        self._waited = 0  # bytes known to be on the disk
 
     def __enter__(self) -> "ShardWriter":
         self._file = self._guard(lambda: open_exclusive(self._tmp))
@@ -107,6 +118,18 @@ class ShardWriter:
         self._guard(lambda: self._file.write(chunk))
         self._digest.update(chunk)
         self._size += len(chunk)
+        if self._size - self._started >= self._chunk:
+            self._guard(self._write_back)
+
+    def _write_back(self) -> None:
+        """Start the disk on the bytes written since the last call; wait for the range before them."""
+        self._file.flush()
+        fd = self._file.fileno()
+        if self._started > self._waited:
+            sync_range(fd, self._waited, self._started - self._waited, wait=True)
+            self._waited = self._started
+        sync_range(fd, self._started, self._size - self._started, wait=False)
+        self._started = self._size
 
     def _guard(self, op):
         try:
@@ -151,6 +174,40 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
         for name, t in tensors.items():
             writer.write(name, t)
         return writer.finish()
+
+
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4  # linux/fs.h
+
+
+def _libc_sync_file_range():
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def sync_range(fd: int, offset: int, nbytes: int, wait: bool) -> None:
+    """Start writeback of ``nbytes`` at ``offset`` (``wait``: and wait until they are on the disk).
+    Where the call does not exist (not Linux), the final fsync does all the work, as before."""
+    if _sync_file_range is None or nbytes <= 0:
+        return
+    flags = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER if wait \
+        else _SYNC_FILE_RANGE_WRITE
+    if _sync_file_range(fd, offset, nbytes, flags) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):  # a file system without it
+            raise OSError(err, os.strerror(err))
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
