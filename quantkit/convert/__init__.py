@@ -45,6 +45,7 @@ from quantkit.formats.recipe import Recipe, load_recipe
 STAGES = ("read", "decode", "quantize", "pack", "write")
 GPTQ_DONE = "quantkit.gptq"  # a read-ahead item holding a weight GPTQ already quantized
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
+PINNED_MAX = 64 << 20  # outputs up to this size come back from the GPU through pinned (cached) host memory
 
 
 @dataclass
@@ -476,7 +477,13 @@ def _convert_shard(shard, plan, ckpt, dst, device, stats, progress, quantized=No
 
 
 def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint, device: str, stats=None) -> dict:
-    """Compute one action's output tensors (on CPU) from its source tensors."""
+    """Compute one action's output tensors (on CPU) from its source tensors.
+
+    On CUDA a tensor costs two waits for the GPU, not one per step: the zero-scale count and the
+    finiteness check come back in one read, and the outputs come back together at the end (the
+    stage times then count the host's time per step; the GPU's work is counted in ``pack``, where
+    the host waits for it).
+    """
     import torch
 
     from quantkit.formats import fp8_block, int4
@@ -486,8 +493,6 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         t0 = time.perf_counter()
         out = fn(*args)
         if stats is not None:
-            if out is not None and hasattr(out, "device") and out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
             stats.add(stage, time.perf_counter() - t0)
         return out
 
@@ -511,31 +516,48 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
             raise QuantkitError("NaN values in FP8 weight", where(name), name)
         return t
 
-    def checked(w):
-        """One finiteness check of the decoded weight covers the weight and its scales; only
-        when it fails are the sources examined one by one, to name the culprit."""
-        if not bool(torch.isfinite(w).all()):
+    def decode() -> "torch.Tensor":
+        """The source weight on ``device`` (formats.weights.decode_weight): the model dtype, or for an
+        INT4 source the scale's dtype, which the plan gives its outputs. One finiteness check of the
+        decoded weight covers the weight and its scales; only when it fails are the sources examined
+        one by one, to name the culprit."""
+        parts = tuple(src[name].to(device) for name in action.sources)
+        out_dtype = dtype
+        if action.encoding == "int4_packed":
+            packed, scale, _ = parts
+            parts = (packed, scale, (packed.shape[0], scale.shape[1] * action.source_group_size))
+            out_dtype = scale.dtype
+        w = timed("decode", decode_weight, action.encoding, parts, out_dtype, plan.block)
+        zeros = (parts[1] == 0).sum() if action.encoding == "fp8_block" else torch.zeros((), dtype=torch.int64,
+                                                                                          device=w.device)
+        nonfinite, zero = torch.stack([(~torch.isfinite(w)).sum(), zeros]).tolist()
+        if nonfinite:
             for name in action.sources:
                 t = src[name]
                 fp8_finite(t, name) if t.dtype == torch.float8_e4m3fn else finite(t, name)
             raise QuantkitError("Inf after dequantization (scale too large)", where(action.sources[-1]), action.sources[0])
+        if zero and stats is not None:
+            s_name = action.sources[1]
+            stats.warn(f"{where(s_name)}: tensor {s_name}: {zero} scale block(s) are 0, so their weights decode to 0")
         return w
 
-    def decode() -> "torch.Tensor":
-        """The source weight on ``device`` (formats.weights.decode_weight): the model dtype, or for an
-        INT4 source the scale's dtype, which the plan gives its outputs."""
-        parts = tuple(src[name].to(device) for name in action.sources)
-        out_dtype = dtype
-        if action.encoding == "fp8_block":
-            s_name = action.sources[1]
-            zero = int((parts[1] == 0).sum())
-            if zero and stats is not None:
-                stats.warn(f"{where(s_name)}: tensor {s_name}: {zero} scale block(s) are 0, so their weights decode to 0")
-        elif action.encoding == "int4_packed":
-            packed, scale, _ = parts
-            parts = (packed, scale, (packed.shape[0], scale.shape[1] * action.source_group_size))
-            out_dtype = scale.dtype
-        return checked(timed("decode", decode_weight, action.encoding, parts, out_dtype, plan.block))
+    def to_host(**outputs) -> dict:
+        """The outputs on the CPU, copied back together with one wait (pinned buffers on CUDA)."""
+        first = next(iter(outputs.values()))
+        if first.device.type == "cpu":
+            return outputs
+        t0 = time.perf_counter()
+        host = {}
+        for name, t in outputs.items():
+            if t.nbytes > PINNED_MAX:  # an embedding table: the pinned pool would keep gigabytes
+                host[name] = t.cpu()
+                continue
+            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host[name].copy_(t, non_blocking=True)
+        torch.cuda.current_stream(first.device).synchronize()
+        if stats is not None:
+            stats.add("pack", time.perf_counter() - t0)
+        return host
 
     weight_name = f"{m}.weight"
     if kind in (ActionKind.COPY, ActionKind.KEEP_FLOAT):
@@ -552,16 +574,15 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
         }
     w = decode()
     if kind in (ActionKind.DEQUANTIZE, ActionKind.INT4_DEQUANT):
-        return {weight_name: w.cpu()}
+        return to_host(**{weight_name: w})
     if kind == ActionKind.FP8_QUANTIZE:
         q, s = timed("quantize", fp8_block.quantize_fp8_block, w, plan.block)
-        return {weight_name: q.cpu(), f"{m}.weight_scale": s.cpu()}
+        return to_host(**{weight_name: q, f"{m}.weight_scale": s})
     if kind in (ActionKind.INT4, ActionKind.INT4_REQUANT):
         q, scale = timed("quantize", int4.quantize_int4, w, action.group_size)
         packed = timed("pack", int4.pack_int4, q)
         return {
-            f"{m}.weight_packed": packed.cpu(),
-            f"{m}.weight_scale": scale.cpu(),
+            **to_host(**{f"{m}.weight_packed": packed, f"{m}.weight_scale": scale}),
             f"{m}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
         }
     raise AssertionError(f"unknown action kind {kind}")
