@@ -6,6 +6,12 @@ a cold-cache sequential read), then converts it with both tools to the same layo
 symmetric group 32, everything else BF16), with a cold page cache and with a warm one. Also
 measures per-tensor overhead on a checkpoint of thousands of tiny tensors, and peak RSS.
 
+Before each quantkit run, in the same cache state, a ceiling probe moves the same bytes with no
+conversion at all: parallel reader threads read every source shard while a writer writes as many
+bytes as quantkit's output, with the same chunked writeback and a final fsync. The unavoidable
+time is that ceiling plus a bare ``python -c "import torch"``; quantkit's share of it
+(unavoidable / quantkit's end-to-end) is what its own start-up and stalls cost.
+
     python benchmarks/convert_speed.py --workdir /tmp/bench --gb 3 --device cpu
     python benchmarks/convert_speed.py --workdir /tmp/bench --gb 12 --device cuda
 
@@ -51,7 +57,7 @@ def warm(path: Path) -> None:
                 pass
 
 
-def build_source(folder: Path, gb: float, shard_gb: float, tiny: bool = False) -> dict:
+def build_source(folder: Path, gb: float, shard_gb: float, tiny: bool = False, tiny_layers: int = 40) -> dict:
     """Routed experts only (what dominates a real checkpoint), plus a router and norms per layer."""
     import torch
 
@@ -64,7 +70,7 @@ def build_source(folder: Path, gb: float, shard_gb: float, tiny: bool = False) -
     per_expert = 3 * hidden * inter
     experts_per_layer = 32
     # tiny: 40 layers of 32 experts = 3,840 small tensors, where per-tensor overhead dominates
-    layers = 40 if tiny else max(1, round(gb * 1e9 / (per_expert * experts_per_layer)))
+    layers = tiny_layers if tiny else max(1, round(gb * 1e9 / (per_expert * experts_per_layer)))
     gen = torch.Generator().manual_seed(0)
 
     def fp8(out, inn):
@@ -142,6 +148,65 @@ def disk_limit(workdir: Path, nbytes: int) -> dict:
     return {"read_GBps": read, "write_GBps": write, "probe_bytes": n * len(block), "cold_cache_by": cache}
 
 
+def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) -> float:
+    """Seconds to read every source shard (``readers`` threads, pread) while writing ``out_bytes`` to one
+    file in 64 MiB chunks with writeback started per chunk, then fsync: the IO a conversion cannot skip."""
+    import threading
+
+    from quantkit.checkpoint.writer import WRITEBACK_CHUNK, sync_range
+
+    files = sorted(src.glob("*.safetensors"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / "ceiling-probe.bin"
+
+    def read(my_files):
+        buf = bytearray(16 << 20)
+        for path in my_files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [buf], offset):
+                    offset += n
+            finally:
+                os.close(fd)
+
+    def write():
+        block = os.urandom(WRITEBACK_CHUNK)
+        with open(target, "wb") as f:
+            done = waited = 0
+            while done < out_bytes:
+                n = min(len(block), out_bytes - done)
+                f.write(memoryview(block)[:n])
+                f.flush()
+                if done > waited:
+                    sync_range(f.fileno(), waited, done - waited, wait=True)
+                    waited = done
+                sync_range(f.fileno(), done, n, wait=False)
+                done += n
+            os.fsync(f.fileno())
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=read, args=(files[i::readers],)) for i in range(readers)]
+    threads.append(threading.Thread(target=write))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    target.unlink()
+    return seconds
+
+
+def bare_torch_import() -> float:
+    """Seconds for a fresh interpreter to import torch and exit (second of two runs: files cached)."""
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - t0)
+    return times[-1]
+
+
 PEER_SCRIPT = textwrap.dedent(
     """
     import sys, time
@@ -151,7 +216,7 @@ PEER_SCRIPT = textwrap.dedent(
     from quantkit.formats.recipe import load_recipe
     t1 = time.perf_counter()
     src, dst, device, workers = sys.argv[1:5]
-    model_free_ptq(src, dst, config=load_recipe("glm5-int4-experts-g32").config, device=device,
+    model_free_ptq(src, dst, config=load_recipe("glm5-int4-experts-g32").config.to_compressed_tensors(), device=device,
                    max_workers=int(workers), converter=FP8BlockDequantizer(targets=[sys.argv[5]]))
     print(f"PEER_IMPORT_SECONDS {t1 - t0:.3f}")
     """
@@ -177,9 +242,16 @@ def timed_run(cmd: list[str], env=None) -> dict:
     return {"seconds": seconds, "sync_seconds": seconds - (t1 - t0), "peak_rss_GiB": rss / 2**20, "stdout": done.stdout}
 
 
-def run_quantkit(src: Path, dst: Path, device: str, workers: int | None) -> dict:
+# quantkit with each shard left in the page cache until its final fsync (the writer before chunked writeback)
+NO_WRITEBACK = ("import sys; from quantkit.checkpoint import writer; "
+                "writer.ShardWriter.__init__.__defaults__ = (None, 1 << 62); "
+                "from quantkit.cli import app; sys.argv[0] = 'quantkit'; app()")
+
+
+def run_quantkit(src: Path, dst: Path, device: str, workers: int | None, writeback: bool = True) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
-    cmd = [sys.executable, "-m", "quantkit", "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
+    start = ["-m", "quantkit"] if writeback else ["-c", NO_WRITEBACK]
+    cmd = [sys.executable, *start, "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
            "--device", device, "--json"]
     if workers:
         cmd += ["--workers", str(workers)]
@@ -230,6 +302,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="quantkit workers (default: its own choice)")
     ap.add_argument("--peer-workers", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--writeback-ab", action="store_true", help="also time a cold run without chunked writeback")
     args = ap.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -242,19 +315,35 @@ def main() -> None:
     figures["disk"] = disk_limit(work, min(src["bytes"], 4 << 30))
     print("disk", figures["disk"], flush=True)
 
+    figures["bare_torch_import_seconds"] = bare_torch_import()
+    expected_out = None
     runs = {}
     for cache in ("cold", "warm"):
         for tool in ("quantkit", "model_free_ptq"):
             drop_caches([work / "src"]) if cache == "cold" else warm(work / "src")
             dst = work / f"out-{tool}"
             if tool == "quantkit":
+                if expected_out is None:  # the output size, from a first conversion (its figures are not kept)
+                    expected_out = run_quantkit(work / "src", dst, args.device, args.workers)["output_bytes"]
+                    drop_caches([work / "src"]) if cache == "cold" else warm(work / "src")
+                ceiling = ceiling_probe(work / "src", work / "probe", expected_out)
+                drop_caches([work / "src"]) if cache == "cold" else warm(work / "src")
                 r = run_quantkit(work / "src", dst, args.device, args.workers)
+                r["ceiling_seconds"] = ceiling
+                r["share_of_unavoidable"] = (ceiling + figures["bare_torch_import_seconds"]) / r["seconds"]
             else:
                 r = run_peer(work / "src", dst, args.device, args.peer_workers)
             r["GBps_source"] = src["bytes"] / r["seconds"] / 1e9
             runs[f"{tool}/{cache}"] = r
             print(tool, cache, {k: v for k, v in r.items() if k != "stage_seconds"}, flush=True)
     figures["runs"] = runs
+    if args.writeback_ab:  # the same cold run without chunked writeback, then with it again
+        ab = {}
+        for label, writeback in (("without", False), ("with", True)):
+            drop_caches([work / "src"])
+            ab[label] = run_quantkit(work / "src", work / "out-quantkit", args.device, args.workers, writeback)["seconds"]
+        figures["writeback_ab_cold_seconds"] = ab
+        print("writeback A/B, cold cache, end to end:", ab, flush=True)
     figures["agreement"] = same_experts(work / "out-quantkit", work / "out-model_free_ptq")
 
     out_bytes = runs["quantkit/cold"]["output_bytes"]
@@ -267,17 +356,21 @@ def main() -> None:
         r["work_seconds"] = r.get("in_process_seconds", r["seconds"] - r["sync_seconds"] - r.get("import_seconds", 0)) + r["sync_seconds"]
         r["percent_of_disk_limit_work"] = 100 * limit_s / r["work_seconds"]
 
-    # per-tensor overhead: thousands of tiny experts, where compute is negligible
+    # per-tensor overhead: thousands of tiny experts, where compute is negligible; the difference between
+    # 3,840 and 384 of them, so that start-up, imports and CUDA initialisation cancel out
+    few = build_source(work / "tiny-few", 0.0, 0.05, tiny=True, tiny_layers=4)
     over = {}
     for tool in ("quantkit", "model_free_ptq"):
-        warm(work / "tiny")
-        dst = work / f"tiny-{tool}"
-        r = run_quantkit(work / "tiny", dst, args.device, args.workers) if tool == "quantkit" else \
-            run_peer(work / "tiny", dst, args.device, args.peer_workers)
-        fixed = r.get("import_seconds", 0.0)
-        inproc = r.get("in_process_seconds", r["seconds"] - fixed)
-        over[tool] = {"tensors": tiny["expert_tensors"], "seconds": r["seconds"],
-                      "ms_per_tensor_in_process": 1000 * inproc / tiny["expert_tensors"]}
+        seconds = {}
+        for name, source in (("many", work / "tiny"), ("few", work / "tiny-few")):
+            warm(source)
+            dst = work / f"tiny-out-{tool}"
+            r = run_quantkit(source, dst, args.device, args.workers) if tool == "quantkit" else \
+                run_peer(source, dst, args.device, args.peer_workers)
+            seconds[name] = r["seconds"]
+        extra = tiny["expert_tensors"] - few["expert_tensors"]
+        over[tool] = {"tensors": [tiny["expert_tensors"], few["expert_tensors"]], "seconds": seconds,
+                      "ms_per_tensor": 1000 * (seconds["many"] - seconds["few"]) / extra}
     figures["per_tensor_overhead"] = over
 
     print()
@@ -292,6 +385,11 @@ def main() -> None:
         figures[f"speedup_{cache}"] = ratio
         figures[f"speedup_{cache}_work"] = work
         print(f"speedup over model_free_ptq, {cache} cache: {ratio:.2f}x wall, {work:.2f}x without imports")
+    for cache in ("cold", "warm"):
+        r = runs[f"quantkit/{cache}"]
+        print(f"quantkit, {cache} cache: ceiling {r['ceiling_seconds']:.1f}s + bare torch import "
+              f"{figures['bare_torch_import_seconds']:.1f}s = {r['ceiling_seconds'] + figures['bare_torch_import_seconds']:.1f}s "
+              f"unavoidable; quantkit {r['seconds']:.1f}s end to end: {100 * r['share_of_unavoidable']:.0f} % of it")
     print("quantkit stages (s):", runs["quantkit/warm"]["stage_seconds"])
     print("per-tensor overhead:", over)
     print("agreement:", figures["agreement"])
