@@ -79,3 +79,19 @@ def test_cli(synthetic, tmp_path):
     assert "routed_experts" in r.output and "tokens per GPU" in r.output
     r = CliRunner().invoke(app, ["plan", str(synthetic["llama"]), "--gpu", "a100"])
     assert r.exit_code == 1 and "unknown GPU" in r.output
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("model.layers.77.mlp.experts.255.down_proj.weight_packed", (6144, 256)),
+    ("lm_head.weight", (154880, 6144)),
+    ("model.layers.3.self_attn.k_scale", ()),
+    ('odd "quoted" \\ name\twith ünïcode', (1, 2, 3)),
+])
+def test_the_header_bound_is_the_json_length_it_stands_for(name, shape):
+    import json
+
+    from quantkit.convert.tensor_plan import OutputTensor, _header_bound
+
+    for dtype in ("I32", "BF16", "F8_E4M3"):
+        o = OutputTensor(name, dtype, shape)
+        assert _header_bound(o) == len(json.dumps({name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, 0]}})) + 40
