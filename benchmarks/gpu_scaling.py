@@ -54,7 +54,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     import torch
-
     from convert_speed import build_source
 
     gpus = torch.cuda.device_count()
