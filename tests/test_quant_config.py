@@ -35,6 +35,15 @@ def parsed(model, data):
             return "refused", None
 
 
+def test_to_compressed_tensors_gives_their_models():
+    config = load_recipe("glm5-int4-experts-g128-fp8").config
+    theirs = config.to_compressed_tensors()
+    assert isinstance(theirs, CTConfig) and theirs.model_dump(mode="json") == config.model_dump(mode="json")
+    args = config.config_groups["routed_experts"].weights
+    assert isinstance(args.to_compressed_tensors(), CTArgs)
+    assert args.to_compressed_tensors().model_dump(mode="json") == args.model_dump(mode="json")
+
+
 def test_args_over_a_generated_grid():
     rng = random.Random(0)
     outcomes = {"ok": 0, "refused": 0}

@@ -431,7 +431,7 @@ def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):
     _, quantize_weight = llmcompressor_gptq()
     gs = target.group_size
     scale = torch.stack([int4.quantize_int4(w, gs)[1] for w in ws])  # from the weights as decoded (model dtype)
-    args = target.args.model_copy(update={"actorder": settings.actorder})
+    args = target.args.model_copy(update={"actorder": settings.actorder}).to_compressed_tensors()
     # fp32 in, as llm-compressor's prepare_batch stacks them: the result comes back in fp32 too
     fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, torch.zeros_like(scale, dtype=torch.int8), None, args,
                                            blocksize=settings.block_size, percdamp=settings.dampening_frac)

@@ -132,6 +132,12 @@ class QuantizationArgs(BaseModel):
         self.strategy = strategy
         return self
 
+    def to_compressed_tensors(self):
+        """compressed-tensors' own ``QuantizationArgs`` of the same JSON (what llm-compressor's functions take)."""
+        from compressed_tensors.quantization import QuantizationArgs as Theirs
+
+        return Theirs.model_validate(self.model_dump(mode="json"))
+
     @field_serializer("zp_dtype")
     def _zero_point(self, dtype: str | None) -> str | None:
         # written only where there is a zero point, as compressed-tensors does
