@@ -259,7 +259,8 @@ def test_a_fifo_in_place_of_a_shard_ends_at_once(synthetic, tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("num_hidden_layers", 10**9), ("n_routed_experts", 10**7),
-                                          ("num_hidden_layers", "3"), ("num_hidden_layers", -1)])
+                                          ("num_hidden_layers", "3"), ("num_hidden_layers", -1),
+                                          ("kv_lora_rank", "abc"), ("index_head_dim", 2.5), ("q_lora_rank", [1])])
 def test_absurd_config_values_are_refused_at_once(tmp_path, field, value):
     folder = tmp_path / "cfg"
     folder.mkdir()
@@ -270,6 +271,15 @@ def test_absurd_config_values_are_refused_at_once(tmp_path, field, value):
     one_line_error(quantkit("plan", folder), "config.json", field)
     r = quantkit("verify", folder, "--no-smoke")  # verify reports it as a finding of its structure check
     assert r.exit_code == 1 and f"config.json: readable checkpoint: {field} = " in r.output
+
+
+def test_an_unreadable_quantization_config_is_one_line_naming_config_json(llama_int4, tmp_path):
+    dst = tmp_path / "bad"
+    shutil.copytree(llama_int4, dst)
+    config = json.loads((dst / "config.json").read_text())
+    next(iter(config["quantization_config"]["config_groups"].values()))["weights"]["num_bits"] = "four"
+    (dst / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("verify", dst, "--no-smoke"), "config.json", "invalid quantization_config")
 
 
 def test_a_recipe_alias_bomb_is_refused(synthetic, tmp_path):

@@ -16,7 +16,11 @@ FLOAT_CODES = ("BF16", "F16", "F32")
 MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "hidden_size": 1 << 17,
           "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 23,
-          "num_attention_heads": 4096, "num_key_value_heads": 4096, **{k: 8192 for k in MOE_KEYS}}
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, **{k: 8192 for k in MOE_KEYS},
+          # the attention and MoE dimensions checkpoint/layout.py sizes tensors from
+          "n_shared_experts": 8192, "first_k_dense_replace": 1024, "head_dim": 1 << 16, "kv_lora_rank": 1 << 17,
+          "q_lora_rank": 1 << 17, "qk_rope_head_dim": 1 << 16, "qk_nope_head_dim": 1 << 16, "v_head_dim": 1 << 16,
+          "index_head_dim": 1 << 16, "index_n_heads": 4096}
 _DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
+from quantkit.errors import QuantkitError, field_error
 from quantkit.formats.quant_config import QuantizationConfig, match_name
 from quantkit.formats.recipe import Recipe
 
@@ -26,7 +29,10 @@ def described_by(ckpt: Checkpoint) -> Recipe | None:
     qc = ckpt.config.get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         return None
-    return Recipe("config", "", QuantizationConfig.model_validate(qc))
+    try:
+        return Recipe("config", "", QuantizationConfig.model_validate(qc))
+    except ValidationError as exc:
+        raise QuantkitError(f"invalid quantization_config: {field_error(exc)}", ckpt.root / "config.json") from exc
 
 
 def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
