@@ -127,8 +127,8 @@ def convert(
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
     :param on_gptq_layer: ``on_gptq_layer(report, layers)`` after each GPTQ layer (convert/gptq.py).
     """
-
     from quantkit.convert import gptq  # torch: only a conversion needs it (imported before the clock starts)
+
     started = time.perf_counter()
     if resume and force:
         raise QuantkitError("--resume and --force exclude each other")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from statistics import median
 
 from pydantic import BaseModel, ConfigDict
 
@@ -72,12 +73,9 @@ def length_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict[
         return sum(ratios[k] for k in idx) / len(idx)
 
     low, high = paired_bootstrap(mean_ratio, len(ids), confidence, rounds, seed=task)
-    ordered = sorted(ratios)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     return BehaviourCheck(task=task, check="output length", n=len(ids), baseline=sum(tb) / len(ids),
                           candidate=sum(tc) / len(ids), estimate=mean_ratio(range(len(ids))), low=low, high=high,
-                          limit=1 + limit, unit="x tokens", passed=low <= 1 + limit, median_ratio=median,
+                          limit=1 + limit, unit="x tokens", passed=low <= 1 + limit, median_ratio=median(ratios),
                           baseline_tokens=tb, candidate_tokens=tc)
 
 
