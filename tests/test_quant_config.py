@@ -121,3 +121,15 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
     expected = {"version": __version__, "quant_method": "compressed-tensors", **theirs.model_dump(mode="json")}
     assert written == expected
     assert list(written) == list(expected)  # the key order too: config.json's bytes depend on it
+
+
+def test_the_kv_cache_scheme_calibrate_kv_writes_is_compressed_tensors_own():
+    from compressed_tensors.quantization import QuantizationStatus
+
+    from quantkit.kv.calibrate import KV_CACHE_SCHEME, _with_kv_scheme
+
+    theirs = CTArgs.model_validate(KV_CACHE_SCHEME)
+    assert _with_kv_scheme(None) == CTConfig(config_groups={}, kv_cache_scheme=theirs, format="dense",
+                                             quantization_status=QuantizationStatus.COMPRESSED).model_dump(mode="json")
+    converted = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense"}
+    assert _with_kv_scheme(converted) == dict(converted, kv_cache_scheme=theirs.model_dump(mode="json"))

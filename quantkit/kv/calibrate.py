@@ -181,16 +181,16 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
 
 def _with_kv_scheme(qc: dict | None) -> dict:
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationStatus
+    """The quantization_config with the static FP8 KV-cache scheme (formats/quant_config.py: the JSON
+    compressed-tensors writes, as convert's is)."""
+    from quantkit.formats.quant_config import QuantizationArgs, QuantizationConfig
 
+    scheme = QuantizationArgs.model_validate(KV_CACHE_SCHEME)
     if qc and qc.get("quant_method") == "compressed-tensors":
-        qc = dict(qc)
-        qc["kv_cache_scheme"] = QuantizationArgs.model_validate(KV_CACHE_SCHEME).model_dump(mode="json")
-        return qc
+        return dict(qc, kv_cache_scheme=scheme.model_dump(mode="json"))
     if qc:
         raise QuantkitError(f"cannot add KV scales to a {qc.get('quant_method')} quantization_config; convert first")
-    config = QuantizationConfig(config_groups={}, kv_cache_scheme=QuantizationArgs.model_validate(KV_CACHE_SCHEME),
-                                quantization_status=QuantizationStatus.COMPRESSED, format="dense")
+    config = QuantizationConfig(config_groups={}, kv_cache_scheme=scheme, quantization_status="compressed", format="dense")
     return config.model_dump(mode="json")
 
 
