@@ -35,10 +35,12 @@ from quantkit.checkpoint.writer import (
     ShardWriter,
     copy_file_atomic,
     folder_lock,
+    work_folder,
     write_bytes_atomic,
     write_error,
 )
 from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan, OutputShard, plan_conversion
+from quantkit.devices import resolve_devices
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
 
@@ -78,26 +80,12 @@ def parse_size(text: str | int) -> int:
     """'5GB' -> 5e9, '512MiB' -> 512 * 2**20, plain numbers are bytes."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)  # bounded
     if not m:
         raise QuantkitError(f"cannot read size {text!r} (examples: 5GB, 512MiB, 1000000)")
     number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     power = " KMGT".index(unit or " ")
     return int(number * (1024 if binary else 1000) ** power)
-
-
-def resolve_devices(device: str) -> list[str]:
-    import torch
-
-    if device == "auto":
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    for d in devices:
-        if d.startswith("cuda") and not torch.cuda.is_available():
-            raise QuantkitError(f"device {d} requested but CUDA is not available")
-        if d != "cpu" and not d.startswith("cuda"):
-            raise QuantkitError(f"unknown device {d!r} (auto, cpu, cuda, cuda:0,cuda:1)")
-    return devices
 
 
 def convert(
@@ -206,7 +194,7 @@ def convert(
 def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):
     """The calibration token batches of a GPTQ recipe: exactly ``samples`` x ``seq_len`` tokens, one
     sequence per batch (llm-compressor oneshot's default, so Hessians sum in the same order)."""
-    from quantkit.calibration_data import DEFAULT_DATA, load_texts, model_tokenizer, token_batches
+    from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 
     cal = rec.gptq.calibration
     data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
@@ -214,14 +202,8 @@ def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | No
     if cal.seq_len > limit:
         raise QuantkitError(f"recipe {rec.name}: calibration seq_len {cal.seq_len} exceeds the model's context ({limit})",
                             ckpt.root / "config.json")
-    texts = load_texts(data, cal.text_field)
-    tokenizer = None if isinstance(texts[0], list) else model_tokenizer(ckpt.root)
-    batches = token_batches(tokenizer, texts, cal.samples, cal.seq_len, 1, data, require_all=True)
-    vocab = int(ckpt.config.get("vocab_size") or 0)
-    highest = max(int(b.max()) for b in batches)
-    if vocab and highest >= vocab:
-        raise QuantkitError(f"token id {highest} is outside the model's vocabulary ({vocab})", data)
-    return batches
+    return calibration_batches(data, cal.text_field, cal.samples, cal.seq_len, 1, lambda: model_tokenizer(ckpt.root),
+                               ckpt.config.get("vocab_size"), require_all=True)
 
 
 def _needs_gptq(todo, ckpt, plan, rec) -> bool:
@@ -611,9 +593,8 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
 
 def _finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, manifest: Manifest) -> None:
     for rel in ckpt.other_files:
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        copy_file_atomic(ckpt.root / rel, target)
+        folder = work_folder(dst, Path(rel).parent)  # a link planted at DST/sub would send the copy elsewhere
+        copy_file_atomic(ckpt.root / rel, folder / Path(rel).name)
     weight_map = {o.name: s.name for s in plan.shards for o in s.tensors}
     index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())

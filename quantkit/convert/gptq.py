@@ -37,7 +37,7 @@ import torch
 
 from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
-from quantkit.checkpoint.writer import write_safetensors
+from quantkit.checkpoint.writer import work_folder, write_safetensors
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
@@ -92,16 +92,24 @@ class GPTQResult:
 def llmcompressor_gptq():
     """llm-compressor's GPTQ primitives (accumulate_hessian, quantize_weight). Importing llm-compressor
     points its logger at the sys.stdout of that moment and logs there; it is imported with stdout
-    pointing at stderr, so its lines never mix into quantkit's output (``--json``)."""
+    pointing at stderr, so its lines never mix into quantkit's output (``--json``). Its log is switched off:
+    it warns at import that no accelerator is present (quantkit runs on the device the user chose), and what
+    GPTQ did to each weight (its loss, a fallback to round-to-nearest) quantkit reports itself."""
     import contextlib
+    import os
     import sys
 
     with contextlib.redirect_stdout(sys.stderr):
+        chosen = "LLM_COMPRESSOR_LOG_DISABLED" in os.environ  # the user's own setting stands
+        os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")  # read once, by its import
         try:
             from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
             from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
         except ImportError as exc:
             raise QuantkitError(f"GPTQ recipes need llm-compressor ({exc}); pip install 'quantkit[gptq]'") from exc
+        finally:
+            if not chosen:
+                os.environ.pop("LLM_COMPRESSOR_LOG_DISABLED", None)
     return accumulate_hessian, quantize_weight
 
 
@@ -145,8 +153,7 @@ def run_gptq(
     from quantkit.layerwise import LayerWalk
 
     targets = gptq_targets(ckpt, plan, recipe)
-    work = dst / WORK_DIR
-    work.mkdir(exist_ok=True)
+    work = work_folder(dst, WORK_DIR)
     result = GPTQResult()
     if not targets:
         return result

@@ -1,0 +1,54 @@
+"""Helpers several test files share (imported by name, unlike conftest's fixtures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantkit.calibration_data import DEFAULT_DATA
+
+
+def add_word_tokenizer(model: Path, vocab: int = 512, bpe: bool = False) -> Path:
+    """Give a synthetic checkpoint a real tokenizer: a word-level one (``bpe``: byte-level BPE, configured to ask
+    for clean-up of spaces as some real ones are) trained on quantkit's bundled calibration text, at most
+    ``vocab`` ids (the synthetic models' vocabulary), with an end-of-text token. Built offline in a second, so
+    tests that need text (eval, calibrate-kv from text) can run on any synthetic model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [json.loads(line)["text"] for line in DEFAULT_DATA.read_text().splitlines()[:300]]
+    special = ["<unk>", "<eos>"]
+    if bpe:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab, special_tokens=special)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
+        "pad_token": "<eos>", "model_max_length": 256, "clean_up_tokenization_spaces": bpe}) + "\n")
+    return model
+
+
+def gptq_recipe(folder: Path, base: str = "glm5-int4-experts-gptq-g32", samples: int = 4, seq_len: int = 64,
+                vocab: int = 512, seed: int = 0) -> Path:
+    """A built-in GPTQ recipe calibrated on ``samples`` random token sequences of ``seq_len`` (fast on any device)."""
+    import torch
+
+    from quantkit.packaged import recipes_dir
+
+    data = folder / f"calibration-{seed}.jsonl"
+    gen = torch.Generator().manual_seed(seed)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, vocab, (seq_len,), generator=gen).tolist()}) + "\n"
+                            for _ in range(samples)))
+    head, _, rest = (recipes_dir() / f"{base}.yaml").read_text().partition("quantkit_calibration:\n")
+    body = rest[rest.index("quant_stage:"):]
+    path = folder / f"{base}-small.yaml"
+    path.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {samples}\n  seq_len: {seq_len}\n{body}")
+    return path

@@ -1,0 +1,113 @@
+"""Every path a user runs on a GPU node, run on a GPU: the device spellings `--help` offers, GPTQ, calibrate-kv and
+the in-process engine on CUDA, RTN bytes equal to the CPU's, and a kill -9 then --resume on the GPU.
+
+CI has no GPU: these skip there, with the reason, and run on a GPU machine (`python -m pytest -m gpu`) before any
+change to a GPU path is called done (docs/benchmarks.md records the last run).
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import tree_bytes
+from helpers import add_word_tokenizer, gptq_recipe
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+from quantkit.convert import convert
+from quantkit.examples.demo import DATA
+from quantkit.examples.synthetic import build_synthetic
+from quantkit.kv.calibrate import calibrate_kv
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")]
+runner = CliRunner()
+SPELLINGS = ("cuda", "cuda:0", "auto")
+
+
+def quantkit(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "llama"])
+def test_rtn_on_every_device_spelling_equals_the_cpu_to_the_byte(synthetic, tmp_path, family):
+    recipe = {"glm_moe_dsa": "glm5-int4-experts-g32", "llama": "dense-w4a16-g128"}[family]
+    quantkit("convert", synthetic[family], tmp_path / "cpu", "-r", recipe, "--device", "cpu")
+    want = tree_bytes(tmp_path / "cpu")
+    for spelling in SPELLINGS:
+        out = tmp_path / spelling.replace(":", "-")
+        quantkit("convert", synthetic[family], out, "-r", recipe, "--device", spelling)
+        got = tree_bytes(out)
+        assert got == want, f"--device {spelling}: differs in {sorted(k for k in want if got.get(k) != want[k])}"
+
+
+def test_gptq_on_every_device_spelling(synthetic, tmp_path):
+    """`--device cuda` once crashed at the first layer (a device without an index reached torch.cuda.set_device)."""
+    recipe = gptq_recipe(tmp_path)
+    outputs = {}
+    for spelling in SPELLINGS:
+        out = tmp_path / spelling.replace(":", "-")
+        quantkit("convert", synthetic["glm_moe_dsa"], out, "-r", recipe, "--device", spelling)
+        manifest = json.loads((out / "quantkit-manifest.json").read_text())
+        assert {r["method"] for r in manifest["gptq_modules"].values()} >= {"gptq"}
+        quantkit("verify", out, "--source", synthetic["glm_moe_dsa"])
+        outputs[spelling] = tree_bytes(out)
+    assert outputs["cuda"] == outputs["cuda:0"] == outputs["auto"]  # one GPU, three spellings of it
+
+
+def test_calibrate_kv_on_cuda_matches_the_cpu(synthetic, tmp_path):
+    converted = tmp_path / "int4"
+    convert(synthetic["glm_moe_dsa"], converted, "glm5-int4-experts-g32", device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(2, 512, (2, 64), generator=gen)]
+    on_cpu = calibrate_kv(converted, out=tmp_path / "kv-cpu", batches=batches, device="cpu")
+    on_gpu = calibrate_kv(converted, out=tmp_path / "kv-gpu", batches=batches, device="cuda")
+    assert on_gpu.scales.keys() == on_cpu.scales.keys()
+    for layer, (k, v) in on_cpu.scales.items():
+        assert on_gpu.scales[layer] == pytest.approx((k, v), rel=0.02), layer
+
+
+def test_eval_with_the_hf_engine_on_cuda(synthetic, tmp_path):
+    model = tmp_path / "llama"
+    shutil.copytree(synthetic["llama"], model)
+    add_word_tokenizer(model)
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["eval", str(model), "--tasks", "arc_easy", "--limit", "8", "--device", "cuda",
+                                 "--data-dir", str(DATA), "--out", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((run / "run.json").read_text())
+    assert record["engine"]["args"]["device"] == "cuda"
+    assert len((run / "samples" / "arc_easy.jsonl").read_text().splitlines()) == 8
+
+
+def test_kill_9_then_resume_on_the_gpu_is_byte_identical(tmp_path):
+    src = build_synthetic("glm_moe_dsa", tmp_path / "src", seed=2, n_routed_experts=64, num_hidden_layers=6)
+    args = ["-r", "glm5-int4-experts-g32", "--max-shard-size", "1MB", "--workers", "1", "--device", "cuda", "--json"]
+    convert(src, tmp_path / "reference", "glm5-int4-experts-g32", device="cuda", workers=1, max_shard_size="1MB")
+    dst = tmp_path / "dst"
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit", "convert", str(src), str(dst), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if len(json.loads((dst / "quantkit-manifest.json").read_text())["shards"]) >= 3:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the conversion ended before it could be killed"
+    done = subprocess.run([sys.executable, "-m", "quantkit", "convert", str(src), str(dst), *args, "--resume"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["devices"] == ["cuda:0"] and result["shards_reused"] >= 3
+    assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
