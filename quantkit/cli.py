@@ -33,6 +33,18 @@ out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 10_000)
 _debug = {"on": os.environ.get("QUANTKIT_DEBUG", "") not in ("", "0")}
 
+
+
+def _t(value) -> str:
+    """Text from outside (a path, a tensor name, a server's answer) for a print that reads Rich markup:
+    control characters shown as escapes (quantkit.inert), markup characters escaped."""
+    from rich.markup import escape
+
+    from quantkit.inert import visible
+
+    return escape(visible(value))
+
+
 # Options shared by several commands, declared once.
 JsonOpt = Annotated[bool, typer.Option("--json", help="No progress display; print a JSON result.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, or a list: cuda:0,cuda:1.")]
@@ -41,9 +53,19 @@ MaxShardSizeOpt = Annotated[str, typer.Option(help="Largest output shard (5GB, 5
 BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Requests per forward pass (hf) or in flight (servers).")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from quantkit import __version__
+
+        out.print(f"quantkit {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _main_options(
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an unexpected error.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print quantkit's version and exit.")] = False,
 ) -> None:
     """Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs."""
     if debug:
@@ -65,7 +87,7 @@ def command(name: str):
                 kind, message, code = _one_line(exc)
                 if _debug["on"] and kind == "internal error":
                     traceback.print_exc()
-                err.print(f"[bold red]{kind}:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+                err.print(f"[bold red]{kind}:[/] {_t(message)}", markup=True, highlight=False, soft_wrap=True)
                 raise typer.Exit(code) from None
 
         return app.command(name)(handled)
@@ -103,6 +125,9 @@ def _quiet_libraries() -> None:
 
     for name in ("lm_eval", "lm-eval", "transformers", "datasets", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # transformers and datasets set their loggers' level from these when first imported (after this runs)
+    for variable in ("TRANSFORMERS_VERBOSITY", "HF_DATASETS_VERBOSITY", "HF_HUB_VERBOSITY"):
+        os.environ.setdefault(variable, "error")
     if not err.is_terminal:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -134,13 +159,13 @@ def inspect_cmd(
         _emit_json(report)
         return
     out.print(
-        f"[bold]{report.path}[/]  {report.model_type} (family {report.family}), "
-        f"{report.num_hidden_layers} layers + {report.mtp_layers} MTP, quantization: {report.quantization}"
+        f"[bold]{_t(report.path)}[/]  {_t(report.model_type)} (family {report.family}), "
+        f"{report.num_hidden_layers} layers + {report.mtp_layers} MTP, quantization: {_t(report.quantization)}"
     )
     table = Table("component", "parameters", "bytes on disk", "encodings")
     for name, c in report.components.items():
         enc = ", ".join(f"{k} {v / max(c.params, 1):.0%}" for k, v in c.encodings.items())
-        table.add_row(name, f"{c.params:,}", _gib(c.bytes), enc)
+        table.add_row(_t(name), f"{c.params:,}", _gib(c.bytes), _t(enc))
     table.add_row("[bold]total[/]", f"[bold]{report.total_params:,}[/]", _gib(report.total_bytes), "")
     out.print(table)
     out.print(f"{len(report.shards)} shard(s)")
@@ -172,21 +197,21 @@ def convert_cmd(
         return
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items())
     out.print(
-        f"[green]done[/] {result.dst}: {result.shards_written} shard(s) written, {result.shards_reused} reused; "
+        f"[green]done[/] {_t(result.dst)}: {result.shards_written} shard(s) written, {result.shards_reused} reused; "
         f"{_gib(result.source_bytes)} -> {_gib(result.output_bytes)} in {result.seconds:.1f}s "
-        f"on {','.join(result.devices)} x{result.workers} ({stages})"
+        f"on {_t(','.join(result.devices))} x{result.workers} ({stages})"
     )
     for group, n in result.tensors_by_group.items():
-        out.print(f"  recipe group {group}: {n} weight(s)", highlight=False)
+        out.print(f"  recipe group {_t(group)}: {n} weight(s)", highlight=False)
     for name in result.skipped_files:
-        out.print(f"  [yellow]not copied[/]: {name} (a weight file the index does not list)", highlight=False)
+        out.print(f"  [yellow]not copied[/]: {_t(name)} (a weight file the index does not list)", highlight=False)
     for warning in result.warnings:
-        out.print(f"  [yellow]warning[/]: {warning}", highlight=False)
+        out.print(f"  [yellow]warning[/]: {_t(warning)}", highlight=False)
     if result.gptq:
         methods = ", ".join(f"{k} {v}" for k, v in result.gptq["weights_by_method"].items())
         out.print(f"  GPTQ: {methods} weight(s); details per weight in DST's quantkit-manifest.json", highlight=False)
         for reason, n in result.gptq["rtn_reasons"].items():
-            out.print(f"  round-to-nearest: {n} x {reason}", highlight=False)
+            out.print(f"  round-to-nearest: {n} x {_t(reason)}", highlight=False)
         if result.gptq["rtn_outside_calibration"]:
             out.print(f"  round-to-nearest: {len(result.gptq['rtn_outside_calibration'])} weight(s) outside the "
                       "calibration forward (MTP layers)", highlight=False)
@@ -234,11 +259,11 @@ def calibrate_kv_cmd(
         return
     ks = [k for k, _ in result.scales.values()]
     out.print(
-        f"[green]done[/] {result.out}: {result.layers} layers ({result.attention}), {result.samples} x {result.seq_len} tokens "
-        f"in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {result.json_path}, {result.plot_path}"
+        f"[green]done[/] {_t(result.out)}: {result.layers} layers ({result.attention}), {result.samples} x {result.seq_len} "
+        f"tokens in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {_t(result.json_path)}, {_t(result.plot_path)}"
     )
     for engine, usage in result.engines.items():
-        out.print(f"  {engine}: {usage}", highlight=False, soft_wrap=True)
+        out.print(f"  {_t(engine)}: {_t(usage)}", highlight=False, soft_wrap=True)
 
 
 @command("verify")
@@ -258,14 +283,14 @@ def verify_cmd(
         _emit_json(report)
     else:
         checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
-        out.print(f"[bold]{report.path}[/] for {report.engine} tp={report.tp}: checked {checked}")
+        out.print(f"[bold]{_t(report.path)}[/] for {_t(report.engine)} tp={report.tp}: checked {_t(checked)}")
         for note in report.notes:
-            out.print(f"[yellow]not checked[/]: {note}", highlight=False)
+            out.print(f"[yellow]not checked[/]: {_t(note)}", highlight=False)
         if report.worst:
             worst = report.worst[0]
-            out.print(f"worst tensor: {worst.tensor} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
+            out.print(f"worst tensor: {_t(worst.tensor)} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
         for f in report.findings:  # one line each, never cut: a log reader needs the whole file name
-            out.print(f"[red]{f.check}[/] {f.tensor or f.file or ''}: {f.rule}: {f.message}", highlight=False,
+            out.print(f"[red]{f.check}[/] {_t(f.tensor or f.file or '')}: {_t(f.rule)}: {_t(f.message)}", highlight=False,
                       soft_wrap=True)
         out.print("[green]PASS[/]" if report.passed else f"[red]FAIL[/]: {len(report.findings)} finding(s)")
     raise typer.Exit(0 if report.passed else 1)
@@ -296,10 +321,10 @@ def plan_cmd(
         _emit_json(report)
         return
     where = "shard headers" if report.from_headers else "config.json alone"
-    out.print(f"[bold]{report.source}[/] ({report.family}, {report.attention}), from {where}: {report.total_params:,} parameters")
+    out.print(f"[bold]{_t(report.source)}[/] ({report.family}, {report.attention}), from {where}: {report.total_params:,} parameters")
     table = Table("component", "parameters", "now", "after" if report.recipe else "")
     for name, c in report.components.items():
-        table.add_row(name, f"{c.params:,}", _gib(c.bytes_now), _gib(c.bytes_after) if report.recipe else "")
+        table.add_row(_t(name), f"{c.params:,}", _gib(c.bytes_now), _gib(c.bytes_after) if report.recipe else "")
     table.add_row("[bold]files[/]", "", _gib(report.bytes_now), _gib(report.bytes_after) if report.bytes_after else "")
     out.print(table)
     out.print(
@@ -310,11 +335,11 @@ def plan_cmd(
     for pool in report.pools:
         out.print(f"[bold]{pool.role}[/] pool: weights {_gib(pool.weights_per_gpu)}/GPU, {pool.kv_dtype} KV "
                   f"{pool.kv_bytes_per_token:,} B/token, {pool.kv_tokens_per_gpu:,} tokens, {pool.concurrent_requests} requests")
-        out.print(f"  {pool.launch}", highlight=False)
+        out.print(f"  {_t(pool.launch)}", highlight=False)
         if pool.kv_scales:
-            out.print(f"  FP8 KV scales: {pool.kv_scales}", highlight=False, soft_wrap=True)
+            out.print(f"  FP8 KV scales: {_t(pool.kv_scales)}", highlight=False, soft_wrap=True)
     if report.chart:
-        out.print(f"chart: {report.chart}")
+        out.print(f"chart: {_t(report.chart)}")
 
 
 @command("eval")
@@ -334,6 +359,7 @@ def eval_cmd(
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,
     batch_size: BatchSizeOpt = 8,
     repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, the engine's own noise floor for gate.")] = 1,
+    device: Annotated[str, typer.Option(help="hf: auto, cpu, cuda or cuda:N.")] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
@@ -344,20 +370,22 @@ def eval_cmd(
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
                           kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
                           engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
-                          on_progress=on_progress, on_launch=_print_launch, repeat=repeat)
+                          device=device, on_progress=on_progress, on_launch=_print_launch, repeat=repeat)
     if json_out:
         _emit_json(result)
         return
     for task, s in result.scores.items():
-        out.print(f"{task}: {s['score']:.2f} ± {s['stderr']:.2f} (n={s['n']})")
-    out.print(f"run directory: {result.run_dir} ({result.seconds:.0f}s)")
+        out.print(f"{_t(task)}: {s['score']:.2f} ± {s['stderr']:.2f} (n={s['n']})")
+    out.print(f"run directory: {_t(result.run_dir)} ({result.seconds:.0f}s)")
 
 
 def _print_launch(argv: list[str]) -> None:
     """The engine command is executable configuration: the user sees what runs before it runs."""
     import shlex
 
-    err.print(f"starting the engine: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
+    from quantkit.inert import visible
+
+    err.print(f"starting the engine: {visible(shlex.join(argv))}", highlight=False, markup=False, soft_wrap=True)
 
 
 @command("gate")
@@ -404,14 +432,14 @@ def publish_cmd(
         return
     table = Table("file", "bytes")
     for f in result.files:
-        table.add_row(f["name"], f"{f['bytes']:,}")
+        table.add_row(_t(f["name"]), f"{f['bytes']:,}")
     out.print(table)
     if dry_run:
         out.print(result.card, markup=False, highlight=False)
-        out.print(f"[yellow]dry run[/]: nothing uploaded; would publish {len(result.files)} files to {repo}")
+        out.print(f"[yellow]dry run[/]: nothing uploaded; would publish {len(result.files)} files to {_t(repo)}")
     else:
         where = result.target if result.target != "hub" else f"https://huggingface.co/{repo}"
-        out.print(f"[green]published[/] {len(result.files)} files to {where} ({'gated' if result.gated else 'UNGATED'})")
+        out.print(f"[green]published[/] {len(result.files)} files to {_t(where)} ({'gated' if result.gated else 'UNGATED'})")
 
 
 @command("release")
@@ -430,7 +458,7 @@ def release_cmd(
         _emit_json(result)
         return
     out.print(result.gate_table, markup=False, highlight=False)
-    out.print(f"[green]released[/]: {result.published}; report {result.report}")
+    out.print(f"[green]released[/]: {_t(result.published)}; report {_t(result.report)}")
 
 
 @command("demo")
@@ -441,11 +469,12 @@ def demo_cmd(
     source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of fetching it.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Two gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 and FP8."""
+    """Three gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 by
+    round-to-nearest, INT4 by GPTQ, and FP8."""
     from quantkit.examples.demo import demo
 
     def stage(name, record):
-        out.print(f"[bold]{name:>4}[/] ", end="")
+        out.print(f"[bold]{_t(name):>4}[/] ", end="")
         _print_stage(record)
 
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
@@ -454,21 +483,22 @@ def demo_cmd(
     if json_out:
         _emit_json(result)
         return
-    out.print(f"source (block-FP8): {result.source}")
+    out.print(f"source (block-FP8): {_t(result.source)}")
     for r in result.releases:
-        out.print(f"\n[bold]{r.name}[/] ({r.recipe})", highlight=False)
+        out.print(f"\n[bold]{_t(r.name)}[/] ({_t(r.recipe)})", highlight=False)
         out.print(r.gate_table, markup=False, highlight=False)
         if r.published:
-            out.print(f"[green]published[/] {r.published} (model card: {Path(r.published) / 'README.md'}); report {r.report}")
+            out.print(f"[green]published[/] {_t(r.published)} (model card: {_t(Path(r.published) / 'README.md')}); "
+                      f"report {_t(r.report)}")
         else:
-            out.print(f"[red]not published[/]: the gate failed; report {r.report}")
+            out.print(f"[red]not published[/]: the gate failed; report {_t(r.report)}")
     out.print(f"done in {result.seconds:.0f}s")
 
 
 def _print_stage(record) -> None:
     mark = {"ran": "[green]done[/]", "resumed": "[cyan]done earlier[/]", "reused": "[cyan]reused[/]",
             "skipped": "[yellow]skipped[/]"}[str(record.status)]
-    out.print(f"{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {record.summary}", highlight=False)
+    out.print(f"{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {_t(record.summary)}", highlight=False)
 
 
 @command("synth")
@@ -484,7 +514,7 @@ def synth_cmd(
     from quantkit.examples.synthetic import build_synthetic
 
     path = build_synthetic(family, out_dir, seed=seed, fp8=False if bf16 else None, experts=experts, layers=layers)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {_t(path)}")
 
 
 class _bytes_progress:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quantkit
 from quantkit.checkpoint.config import is_moe
+from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_run_record
+from quantkit.inert import markdown_cell, markdown_code, markdown_text, visible
 
 if TYPE_CHECKING:
     from quantkit.release.gate import GateReport
@@ -58,6 +61,28 @@ def front_matter(source_card: Path | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def hub_id(value: str, what: str) -> str:
+    """``value`` if it is a valid hub model id by the hub's own rules (huggingface_hub's validate_repo_id),
+    else a one-line error: the card's metadata and text never carry an id the hub would not accept."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError as exc:
+        raise QuantkitError(f"{what} {value!r} is not a hub model id: {str(exc).splitlines()[0]}") from exc
+    return value
+
+
+def _source_base_model(meta: dict) -> str | None:
+    """The source card's ``base_model`` when it is one valid hub id; anything else in a file quantkit did not
+    write is left out of the card rather than copied into it."""
+    value = meta.get("base_model")
+    try:
+        return hub_id(value, "base_model") if isinstance(value, str) else None
+    except QuantkitError:
+        return None
+
+
 def serving_tp(total_bytes: int) -> int:
     """Fewest H200s (a power of two) whose memory holds the weights with 30 % left for the KV cache."""
     need = max(1, math.ceil(total_bytes / (0.7 * H200_BYTES)))
@@ -78,6 +103,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     config = json.loads((dst / "config.json").read_text())
     fp8_kv = bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
     name = repo.removeprefix("file://").rstrip("/").split("/")[-1] if repo.startswith("file://") else repo
+    base_model = hub_id(base_model, "--base-model") if base_model is not None else _source_base_model(source_meta)
 
     formats = _formats(config)
     tags = ["quantkit", "compressed-tensors"] + [t for f in formats for t in FORMAT_TAGS[f]]
@@ -92,7 +118,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
                                   metric_value=round(t.candidate, 2)))
     data = ModelCardData(
         license=source_meta.get("license"),
-        base_model=base_model or source_meta.get("base_model"),
+        base_model=base_model,
         tags=tags,
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -100,18 +126,20 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
         eval_results=results or None,
     )
 
-    lines = ["---", data.to_yaml().strip(), "---", "", f"# {name}", ""]
+    lines = ["---", data.to_yaml().strip(), "---", "", f"# {markdown_text(name)}", ""]
     recipe = manifest.recipe_name if manifest else "unknown"
     described = " + ".join(FORMAT_WORDS[f] for f in formats) or "BF16"
-    lines += [f"{described} ([compressed-tensors](https://github.com/vllm-project/compressed-tensors)) conversion of `{base_model or source_meta.get('base_model') or (source.name if source else 'the source')}` "
-              f"made with quantkit {quantkit.__version__}, recipe `{recipe}`"
+    origin = base_model or (source.name if source else "the source")
+    lines += [f"{described} ([compressed-tensors](https://github.com/vllm-project/compressed-tensors)) conversion of "
+              f"{markdown_code(origin)} made with quantkit {quantkit.__version__}, recipe {markdown_code(recipe)}"
               + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
     lines += _gate_section(verdict)
     tp = serving_tp(after.total_bytes)
+    served = shlex.quote(visible(name))  # a folder name is data: one shell word, whatever it holds
     lines += ["## Serving", "", "SGLang:", "", "```bash",
-              f"python -m sglang.launch_server --model-path {name} --tp-size {tp}"
+              f"python -m sglang.launch_server --model-path {served} --tp-size {tp}"
               + (" --kv-cache-dtype fp8_e4m3" if fp8_kv else ""), "```", "", "vLLM:", "", "```bash",
-              f"vllm serve {name} --tensor-parallel-size {tp}" + (" --kv-cache-dtype fp8" if fp8_kv else ""), "```", "",
+              f"vllm serve {served} --tensor-parallel-size {tp}" + (" --kv-cache-dtype fp8" if fp8_kv else ""), "```", "",
               f"(`{tp}` is the fewest H200s that hold the weights with 30 % of memory left for the KV cache; "
               "`quantkit plan` sizes a deployment exactly.)", ""]
     if fp8_kv:
@@ -138,13 +166,13 @@ def _kv_scale_section(dst: Path, config: dict) -> list[str]:
     names = sorted(n for n in open_checkpoint(dst).tensors if is_kv_scale(n))
     lines = ["### FP8 KV-cache scales", ""]
     for engine, usage in engine_usage(config).items():
-        lines.append(f"- {engine}: {usage}")
+        lines.append(f"- {engine}: {markdown_text(usage)}")
     for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
         rules = loader_rules(engine, config.get("model_type"))
         skipped = unplaced_tensors(names, config, rules) if rules is not None else []
         if skipped:
-            lines.append(f"- **{engine} {version} skips this checkpoint's scale tensors** ({skipped[0].name}: "
-                         f"{skipped[0].reason})")
+            lines.append(f"- **{engine} {version} skips this checkpoint's scale tensors** "
+                         f"({markdown_text(skipped[0].name)}: {markdown_text(skipped[0].reason)})")
     return lines + [""]
 
 
@@ -158,19 +186,19 @@ def _gate_section(verdict: GateReport | None) -> list[str]:
              "| benchmark | n | original | this model | delta | interval | margin | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for t in verdict.tasks:
-        lines.append(f"| {t.task} | {t.n} | {t.baseline:.2f} | {t.candidate:.2f} | {t.delta:+.2f} | "
+        lines.append(f"| {markdown_cell(t.task)} | {t.n} | {t.baseline:.2f} | {t.candidate:.2f} | {t.delta:+.2f} | "
                      f"[{t.low:+.2f}, {t.high:+.2f}] | -{t.margin:g} | {'pass' if t.passed else 'FAIL'} |")
     for c in verdict.behaviour:
         if c.check == "output length":
-            lines.append(f"- {c.task}, length of generated answers: {c.candidate:.1f} tokens against {c.baseline:.1f} "
+            lines.append(f"- {markdown_text(c.task)}, length of generated answers: {c.candidate:.1f} tokens against {c.baseline:.1f} "
                          f"(x{c.estimate:.3f}, interval [x{c.low:.3f}, x{c.high:.3f}], limit x{c.limit:.2f})")
         else:
-            lines.append(f"- {c.task}, runaway generations (length limit or loop): {c.candidate:.1f} % against "
+            lines.append(f"- {markdown_text(c.task)}, runaway generations (length limit or loop): {c.candidate:.1f} % against "
                          f"{c.baseline:.1f} % ({c.estimate:+.2f} points, interval [{c.low:+.2f}, {c.high:+.2f}], "
                          f"limit +{c.limit:g})")
     by_task = {t.task: t for t in verdict.tasks}
     for f in verdict.noise:
-        lines.append(f"- {f.task}, engine noise: the original flips {f.flip_rate:.1f} % of items between two runs of "
+        lines.append(f"- {markdown_text(f.task)}, engine noise: the original flips {f.flip_rate:.1f} % of items between two runs of "
                      f"itself; this model {by_task[f.task].flip_rate:.1f} % against it "
                      f"({by_task[f.task].engine_noise})")
     return lines + [""]
@@ -179,14 +207,14 @@ def _gate_section(verdict: GateReport | None) -> list[str]:
 def _provenance_section(manifest, verdict: GateReport | None) -> list[str]:
     lines = ["## Provenance", "", f"- quantkit {quantkit.__version__}"]
     if manifest is not None:
-        lines += [f"- source fingerprint `{manifest.source_fingerprint}`",
-                  f"- recipe `{manifest.recipe_name}` (sha256 `{manifest.recipe_sha256[:16]}…`)"]
+        lines += [f"- source fingerprint {markdown_code(manifest.source_fingerprint)}",
+                  f"- recipe {markdown_code(manifest.recipe_name)} (sha256 {markdown_code(manifest.recipe_sha256[:16] + '…')})"]
     for role in ("baseline", "candidate"):
         run = Path(getattr(verdict, role)) if verdict else None
         if run is not None and (run / "run.json").is_file():
             meta = read_run_record(run)
-            lines.append(f"- {role} evaluated with {meta.engine.name} ({meta.engine.version}), "
-                         f"lm-eval {meta.lm_eval_version}")
+            lines.append(f"- {role} evaluated with {markdown_text(meta.engine.name)} "
+                         f"({markdown_text(meta.engine.version)}), lm-eval {markdown_text(meta.lm_eval_version)}")
     if verdict:
         lines.append(f"- gated files: {len(verdict.candidate_checksums)}, each bound by its sha256 in the verdict")
     return lines + [""]

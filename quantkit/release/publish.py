@@ -10,7 +10,6 @@ business (HF_TOKEN or the stored login): quantkit never reads, prints or logs it
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,9 +29,6 @@ from quantkit.errors import QuantkitError, field_error
 
 if TYPE_CHECKING:
     from quantkit.release.gate import GateReport
-
-REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
-
 
 class PublishRefused(QuantkitError):
     """What would be published is not what was gated (or was never gated)."""
@@ -73,16 +69,20 @@ def publish(
         raise QuantkitError("not a checkpoint folder (no config.json)", dst)
     local = repo.startswith("file://")
     target = _local_target(dst, repo) if local else None
-    if not local and not REPO_ID.fullmatch(repo):
-        raise QuantkitError(f"invalid repo id {repo!r}: expected ORG/NAME (letters, digits, '-', '_', '.') or file://DIR")
+    if not local:
+        from quantkit.release.card import hub_id
+
+        if "/" not in repo:
+            raise QuantkitError(f"invalid repo id {repo!r}: expected ORG/NAME or file://DIR")
+        hub_id(repo, "--repo")
+    shipped = [f for f in shipped_files(dst) if f["name"] != CARD_NAME]
+    if target is not None:  # first: a target full of other files is refused before any hashing or card work
+        _check_target_contents(target, {f["name"] for f in shipped} | {CARD_NAME})
     verdict = check_gate(dst, gate, force_ungated)
     card = model_card(dst, repo, verdict, base_model)
     # The card as it will be written, whatever README.md DST holds now (a dry run writes nothing).
-    files = sorted([f for f in shipped_files(dst) if f["name"] != CARD_NAME] + [{"name": CARD_NAME, "bytes": len(card.encode())}],
-                   key=lambda f: f["name"])
+    files = sorted(shipped + [{"name": CARD_NAME, "bytes": len(card.encode())}], key=lambda f: f["name"])
     result = PublishResult(repo, "hub", revision or "main", verdict is not None, dry_run, files, card)
-    if target is not None:
-        _check_target_contents(target, {f["name"] for f in files})
     if dry_run:
         return result
     write_bytes_atomic(dst / CARD_NAME, card.encode())
@@ -146,16 +146,26 @@ def _local_target(dst: Path, repo: str) -> Path:
 
 
 def _check_target_contents(target: Path, names: set[str]) -> None:
-    """A local target may hold only an earlier, interrupted copy of these files: never merged into."""
+    """A local target may hold only an earlier, interrupted copy of these files: never merged into. The first
+    entry that is not one of them refuses, before anything else is looked at (``file://~`` stops at once
+    instead of walking a home folder)."""
     if not target.is_dir():
         return
-    for path in sorted(target.rglob("*")):
-        rel = path.relative_to(target).as_posix()
-        if rel == LOCK_NAME or path.name.endswith(PARTIAL_SUFFIX):
-            continue
-        if path.is_symlink() or (not path.is_dir() and rel not in names):
-            raise QuantkitError(f"the target folder holds {rel}, which is not part of this model; "
-                                "publish into a new or empty folder", target)
+    folders = {Path(n).parent.as_posix() for n in names} - {"."}
+    folders |= {p.as_posix() for f in list(folders) for p in Path(f).parents if p.as_posix() != "."}
+    pending = [(target, "")]
+    while pending:
+        folder, prefix = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                rel = prefix + entry.name
+                if rel == LOCK_NAME or entry.name.endswith(PARTIAL_SUFFIX):
+                    continue
+                if entry.is_dir(follow_symlinks=False) and rel in folders:
+                    pending.append((Path(entry.path), rel + "/"))
+                elif entry.is_symlink() or not entry.is_file(follow_symlinks=False) or rel not in names:
+                    raise QuantkitError(f"the target folder holds {rel}, which is not part of this model; "
+                                        "publish into a new or empty folder", target)
 
 
 def _publish_local(dst: Path, target: Path, files: list[dict]) -> Path:

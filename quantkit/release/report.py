@@ -7,6 +7,7 @@ import html
 from pathlib import Path
 
 from quantkit.checkpoint.writer import write_bytes_atomic
+from quantkit.inert import visible
 
 
 def forest_plot(report, path: Path) -> Path:
@@ -62,7 +63,7 @@ def markdown(report) -> str:
     lines = [
         f"# Release gate: {'PASS' if report.passed else 'FAIL'}",
         "",
-        f"Baseline `{report.baseline}`, candidate `{report.candidate}`; intervals at {report.confidence:.2%} "
+        f"Baseline `{visible(report.baseline)}`, candidate `{visible(report.candidate)}`; intervals at {report.confidence:.2%} "
         f"per task ({report.correction}).",
         "",
         "| task | n | baseline | candidate | delta | interval | margin | verdict | flips | certifiable margin |",
@@ -93,7 +94,7 @@ def markdown(report) -> str:
             lines.append(f"| {c.task} | {c.check} | {c.n} | {base} | {cand} | {estimate} | {interval} | {limit} | "
                          f"{'pass' if c.passed else 'FAIL'} |")
     if report.noise_run:
-        lines += ["", f"## Engine noise (A/A: `{report.noise_run}`)", ""]
+        lines += ["", f"## Engine noise (A/A: `{visible(report.noise_run)}`)", ""]
         by_task = {t.task: t for t in report.tasks}
         for f in report.noise:
             t = by_task[f.task]
@@ -105,7 +106,7 @@ def markdown(report) -> str:
     lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}"
                  f"{' and the behaviour checks' if report.behaviour else ''}.")
     if report.allowed_differences:
-        lines.append(f"The candidate also differs, as the suite allows, in: {'; '.join(report.allowed_differences)}.")
+        lines.append(f"The candidate also differs, as the suite allows, in: {visible('; '.join(report.allowed_differences))}.")
     return "\n".join(lines) + "\n"
 
 
