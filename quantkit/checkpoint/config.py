@@ -20,7 +20,8 @@ LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "hidden_siz
           # the attention and MoE dimensions checkpoint/layout.py sizes tensors from
           "n_shared_experts": 8192, "first_k_dense_replace": 1024, "head_dim": 1 << 16, "kv_lora_rank": 1 << 17,
           "q_lora_rank": 1 << 17, "qk_rope_head_dim": 1 << 16, "qk_nope_head_dim": 1 << 16, "v_head_dim": 1 << 16,
-          "index_head_dim": 1 << 16, "index_n_heads": 4096}
+          "index_head_dim": 1 << 16, "index_n_heads": 4096,
+          "max_position_embeddings": 1 << 24}  # the context eval's needle tasks and calibration lengths check against
 _DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 

@@ -80,7 +80,11 @@ class Manifest(BaseModel):
         return diffs
 
     def save(self, folder: Path) -> None:
-        text = self.model_dump_json(indent=2)
+        """Written with every record in name order, not in the order work finished: the manifest ships with
+        the model and the gate binds its bytes, so identical inputs must give identical files."""
+        ordered = self.model_copy(update={field: dict(sorted(getattr(self, field).items()))
+                                          for field in ("shards", "gptq_layers", "gptq_modules")})
+        text = ordered.model_dump_json(indent=2)
         write_bytes_atomic(folder / MANIFEST_NAME, (text + "\n").encode())
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,9 @@ def read_shard_header(root: Path, name: str) -> Shard:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for tname, entry in header.items():
+        if _LONG_NUMBER.search(tname):
+            raise QuantkitError("a number of more than 9 digits in the tensor name (layer and expert indices are "
+                                "far smaller): refused", path, tname[:200])
         dtype, shape, begin, end = _header_entry(entry, path, tname)
         expected = math.prod(shape) * DTYPES[dtype][0]
         if end - begin != expected:
@@ -274,6 +278,10 @@ def read_shard_header(root: Path, name: str) -> Shard:
     if cursor != data_size:
         raise QuantkitError(f"file size {size} disagrees with header (data should end at {base + cursor})", path)
     return Shard(name, path, size, hashlib.sha256(raw).hexdigest(), tensors)
+
+
+# Tensor names are parsed for layer and expert indices in many places; bounding the digits here bounds them all.
+_LONG_NUMBER = re.compile(r"\d{10}")
 
 
 def _is_count(value) -> bool:

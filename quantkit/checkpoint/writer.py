@@ -226,7 +226,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 @contextmanager
 def folder_lock(folder: Path):
-    """Hold an exclusive lock on ``folder`` while writing into it; a second writer gets a clear error."""
+    """Hold an exclusive lock on ``folder`` while writing into it. The holder writes who it is into the lock
+    file (process id, host, command, start time), so a second writer's one-line error names it."""
     import fcntl
 
     path = folder / LOCK_NAME
@@ -238,11 +239,53 @@ def folder_lock(folder: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            raise QuantkitError("in use by another quantkit process (it holds .quantkit.lock); wait for it to end",
+            raise QuantkitError(f"in use by another quantkit process ({_lock_holder(fd)}); wait for it to end",
                                 folder) from exc
-        yield
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _holder_record(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # released: an empty lock file, the same bytes after every run
     finally:
         os.close(fd)
+
+
+def _holder_record() -> bytes:
+    import socket
+    import sys
+    import time
+
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:500],
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it; the bare lock file's name when that cannot be read."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0))
+        return (f"pid {int(record['pid'])} on {record['host']} since {record['since']}: "
+                f"{' '.join(str(record['command']).split())}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"it holds {LOCK_NAME}"
+
+
+def work_folder(root: Path, rel: str | Path) -> Path:
+    """``root/rel``, created folder by folder, none of them a link: quantkit's own sub-folders of a folder the
+    user named (a RUN_DIR's cache, DST's GPTQ work) must not lead writes anywhere else, as a planted link
+    would. ``root`` itself is the user's choice and may be a link."""
+    path = Path(root)
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            raise QuantkitError("is a link: refused (quantkit writes only inside the folder you named)", path)
+        try:
+            path.mkdir(exist_ok=True)
+        except FileExistsError as exc:
+            raise QuantkitError("exists and is not a folder", path) from exc
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+    return path
 
 
 def copy_file_atomic(src: Path, path: Path, chunk: int = 16 << 20) -> None:
