@@ -112,8 +112,24 @@ def test_the_suite_sets_the_limits(tmp_path):
 def test_generation_records_in_one_run_only_cannot_be_compared(tmp_path):
     a = write_generations(tmp_path / "a", [100] * 10)
     b = write_run(tmp_path / "b", {"gsm8k": [1] * 10})
-    with pytest.raises(CannotCompare, match="generation records .* in one run only"):
+    with pytest.raises(CannotCompare, match="b: task gsm8k: item gsm8k-0 has no generation record"):
         gate(a, b, suite=suite(tmp_path, ["gsm8k"]))
+
+
+def test_one_record_without_its_generation_fields_refuses_instead_of_switching_the_checks_off(tmp_path):
+    """Both runs missing one record's fields used to skip the length and runaway checks without a word."""
+    runs = []
+    for name, tokens in (("a", [100] * 10), ("b", [300] * 10)):  # b answers three times longer: a failing candidate
+        folder = write_generations(tmp_path / name, tokens)
+        rows = (folder / "samples" / "gsm8k.jsonl").read_text().splitlines()
+        rows[3] = json.dumps({k: v for k, v in json.loads(rows[3]).items() if k != "repetition"})
+        (folder / "samples" / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
+        runs.append(folder)
+    with pytest.raises(CannotCompare, match="task gsm8k: item gsm8k-3 has no generation record"):
+        gate(*runs, suite=suite(tmp_path, ["gsm8k"], margin=5))
+    plain = [write_run(tmp_path / f"plain-{n}", {"gsm8k": [1] * 10}) for n in "ab"]  # a generative task without any
+    with pytest.raises(CannotCompare, match="has no generation record"):
+        gate(*plain, suite=suite(tmp_path, ["gsm8k"], margin=5))
 
 
 def test_noise_floor_labels_a_candidate_within_or_beyond_the_engines_own_flips(tmp_path):

@@ -20,11 +20,11 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantkit.checkpoint.writer import sha256_file
+from quantkit.checkpoint.writer import folder_lock, sha256_file, work_folder, write_error
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.generation import generation_stats
 from quantkit.evaluation.long_context import is_needle_task, needed_context, needle_jsonl, needle_spec
@@ -40,6 +40,7 @@ from quantkit.evaluation.run_dir import (
     write_samples,
     write_scores,
 )
+from quantkit.evaluation.task_data import MAX_DATA_BYTES, check_task_data
 
 # Zero-shot tasks over local files in the hub's schema. {data} is the data directory.
 TASKS = {
@@ -129,6 +130,8 @@ def task_yaml(task: str, data_dir: Path | None, tokenizer=None) -> TaskConfig:
         data = data_dir / spec["file"]
         if not data.is_file():
             raise QuantkitError(f"missing data file for task {task}", data)
+        if data.stat().st_size > MAX_DATA_BYTES:
+            raise QuantkitError(f"over {MAX_DATA_BYTES >> 30} GiB: not the data of task {task}", data)
         raw = data.read_bytes()  # one read: the hash and the item count describe the same bytes
         location = str(data.resolve())
     doc = {
@@ -152,7 +155,8 @@ def task_yaml(task: str, data_dir: Path | None, tokenizer=None) -> TaskConfig:
                                "ignore_case": True, "ignore_punctuation": False,
                                "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}]
     identity = dict(doc, dataset_kwargs={"data_sha256": hashlib.sha256(raw).hexdigest()})
-    items = sum(1 for line in raw.splitlines() if line.strip())
+    items = sum(1 for line in raw.splitlines() if line.strip()) if is_needle_task(task) else \
+        check_task_data(task, raw, data)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return TaskConfig(yaml.safe_dump(doc, sort_keys=False), digest, items, raw if is_needle_task(task) else None)
 
@@ -161,9 +165,9 @@ def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Pa
                  tokenizer=None) -> dict[str, TaskConfig]:
     """Each task's config: an lm-eval YAML over the local data (or lm-eval's own task without ``data_dir``);
     needle_<N>k tasks are built with the model's tokenizer."""
+    _check_context(tasks, model)
     needles = [t for t in tasks if is_needle_task(t)]
     if needles:
-        _check_context(needles, model)
         tokenizer = tokenizer if tokenizer is not None else _tokenizer(model)
     configs = {}
     for t in tasks:
@@ -183,14 +187,25 @@ def task_identities(configs: dict[str, TaskConfig], limit: int | None) -> dict[s
             for t, c in configs.items()}
 
 
-def _check_context(needles: list[str], model: Path) -> None:
-    """A needle task longer than the model's context would be cut from the left by lm-eval: refuse it."""
+def _check_context(tasks: list[str], model: Path) -> None:
+    """A task longer than the model's context is refused here, naming it, rather than cut from the left (a needle
+    document) or stopped by an assertion inside lm-eval (a generation limit of the whole context). A needle task
+    is refused too when config.json does not say how long the context is: it would be truncated without a word."""
     from quantkit.checkpoint.reader import read_config
 
     context = read_config(model).get("max_position_embeddings")
-    for task in needles:
-        if context and needed_context(task) > int(context):
-            raise QuantkitError(f"task {task} needs {needed_context(task):,} tokens of context; max_position_embeddings "
+    for task in tasks:
+        if is_needle_task(task):
+            needed = needed_context(task)
+            if not context:
+                raise QuantkitError(f"task {task} needs {needed:,} tokens of context and config.json does not say "
+                                    "how many the model holds (no max_position_embeddings)", model / "config.json")
+        elif task_spec(task)["output_type"] == "generate_until":
+            needed = task_spec(task)["max_gen_toks"] + 1  # lm-eval keeps at least one token of prompt
+        else:
+            continue
+        if context and needed > int(context):
+            raise QuantkitError(f"task {task} needs {needed:,} tokens of context; max_position_embeddings "
                                 f"is {int(context):,}", model / "config.json")
 
 
@@ -234,27 +249,21 @@ def evaluate(
     engine_cmd: str | None = None,
     mem_fraction: float | None = None,
     health_timeout: float = 1800.0,
+    device: str = "auto",
     on_progress: Callable[[str, int, int], None] | None = None,
     on_launch: Callable[[list[str]], None] | None = None,
     repeat: int = 1,
 ) -> EvalResult:
     """Score MODEL on the tasks with one engine and keep every item's outcome in RUN_DIR.
 
-    ``hf`` runs the model in-process; ``sglang`` starts a server from ``engine_cmd`` for the run and
-    stops it after; ``openai`` talks to a running server at ``url``. For the server engines MODEL is
+    ``hf`` runs the model in-process on ``device``; ``sglang`` starts a server from ``engine_cmd`` for the run
+    and stops it after; ``openai`` talks to a running server at ``url``. For the server engines MODEL is
     still the local checkpoint: its tokenizer splits context from continuation, its checksums go
     into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
     ``engine_cmd`` is executable configuration: it runs as given, and ``on_launch(argv)`` is told first.
     ``repeat=2`` runs everything again into RUN_DIR/repeat-2 with a request cache of its own: the engine's
-    run-to-run noise, which ``gate`` uses as its floor.
+    run-to-run noise, which ``gate`` uses as its floor. RUN_DIR is locked while the run writes into it.
     """
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from quantkit.evaluation.progress import TaskProgress
-    from quantkit.evaluation.request_cache import CachedLM, RequestCache
-    from quantkit.evaluation.sglang import EngineError
-
     started = time.perf_counter()
     if engine not in ENGINES:
         raise QuantkitError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
@@ -268,25 +277,93 @@ def evaluate(
     if kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     path = Path(model)
+    run = _Run(path, engine, tasks, data_dir, limit, kv_cache_dtype, batch_size, tp, ep, url, engine_cmd,
+               mem_fraction, health_timeout, device if engine == "hf" else None, on_progress, on_launch)
     if engine == "hf":
+        from quantkit.devices import resolve_device
         from quantkit.kv.hooks import kv_scales_of
 
-        scales = kv_scales_of(path) if kv_cache_dtype == "fp8_e4m3" else None
-        if kv_cache_dtype == "fp8_e4m3" and not scales:
+        run.device = resolve_device(device)
+        run.scales = kv_scales_of(path) if kv_cache_dtype == "fp8_e4m3" else None
+        if kv_cache_dtype == "fp8_e4m3" and not run.scales:
             raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first", path)
+    run.tokenizer = _tokenizer(path)
+    run.configs = task_configs(tasks, data_dir, path, run.tokenizer)  # bad data is refused before RUN_DIR is touched
     run_dir = Path(out) if out else Path("runs") / path.name
     if run_dir.exists() and not run_dir.is_dir():
         raise QuantkitError("RUN_DIR exists and is not a folder", run_dir)
-    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(path)
-    configs = task_configs(tasks, data_dir, path, tokenizer)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(run_dir, exc) from exc
+    with folder_lock(run_dir):
+        scores = _evaluate_into(run, run_dir, attempt=1)
+        if repeat == 2:  # a fresh request cache: the engine answers everything again
+            again = work_folder(run_dir, REPEAT_DIR)
+            with folder_lock(again):
+                _evaluate_into(run, again, attempt=2)
+    return EvalResult(str(path), str(run_dir), engine, {t: s.model_dump() for t, s in scores.items()},
+                      time.perf_counter() - started)
+
+
+@dataclass
+class _Run:
+    """One evaluation's settings, as ``evaluate`` checked them (shared by its first run and its repeat)."""
+
+    path: Path
+    engine: str
+    tasks: list[str]
+    data_dir: str | os.PathLike | None
+    limit: int | None
+    kv_cache_dtype: str
+    batch_size: int
+    tp: int
+    ep: int
+    url: str | None
+    engine_cmd: str | None
+    mem_fraction: float | None
+    health_timeout: float
+    device: str | None  # hf: the device the model runs on
+    on_progress: Callable[[str, int, int], None] | None
+    on_launch: Callable[[list[str]], None] | None
+    scales: dict | None = None  # hf with FP8 KV: the checkpoint's calibrated scales
+    tokenizer: object = None
+    configs: dict[str, TaskConfig] = field(default_factory=dict)
+
+    def settings(self) -> dict:
+        return engine_settings(self.engine, self.kv_cache_dtype, self.batch_size, self.tp, self.ep, self.mem_fraction,
+                               self.device)
+
+
+def cache_binding(record: RunRecord, attempt: int) -> str:
+    """What the cached answers of a run are bound to: the model's files, the engine and its settings, the
+    prompts' template and seeds, and which pass of ``--repeat`` produced them (a copied first pass must not
+    stand in for the repeat whose differences measure the engine's noise)."""
+    bound = record.model_dump(include={"model_checksums", "engine", "lm_eval_version", "chat_template_sha256",
+                                       "chat_template_applied", "seeds"})
+    return hashlib.sha256(json.dumps(dict(bound, attempt=attempt), sort_keys=True).encode()).hexdigest()
+
+
+def _evaluate_into(run: _Run, run_dir: Path, attempt: int) -> dict[str, TaskScore]:
+    """Evaluate into RUN_DIR (locked by the caller); resumes from its request cache when it holds this run."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from quantkit.evaluation.progress import TaskProgress
+    from quantkit.evaluation.request_cache import CachedLM, RequestCache
+    from quantkit.evaluation.sglang import EngineError
+
+    path = run.path
+    work_folder(run_dir, "samples")
+    cache_dir = work_folder(run_dir, "cache")
+    tokenizer, configs = run.tokenizer, run.configs
     template = getattr(tokenizer, "chat_template", None) or ""
     provenance = {
         "model": str(path.resolve()),
         "model_checksums": model_checksums(path),
         "model_family": model_family(path),
         "lm_eval_version": lm_eval.__version__,
-        "tasks": task_identities(configs, limit),
+        "tasks": task_identities(configs, run.limit),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "chat_template_applied": False,
         "seeds": SEEDS,
@@ -295,6 +372,7 @@ def evaluate(
     _check_same_family(run_dir, previous, provenance)
 
     server = None
+    url = run.url
     with ExitStack() as stack:
         task_folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-tasks-")))
         names = []
@@ -304,66 +382,75 @@ def evaluate(
             if config.data is not None:
                 (task_folder / f"quantkit_{task}.jsonl").write_bytes(config.data)
             names.append(task if config.yaml is None else f"quantkit_{task}")
-        if engine == "hf":
-            lm, engine_record = _hf_engine(path, tokenizer, batch_size, kv_cache_dtype, scales, stack)
+        if run.engine == "hf":
+            lm, engine_record = _hf_engine(path, tokenizer, run, stack)
         else:
-            if engine == "sglang":
-                from quantkit.evaluation.sglang import (
-                    LaunchSpec,
-                    SGLangServer,
-                    engine_command,
-                    free_port,
-                )
+            if run.engine == "sglang":
+                from quantkit.evaluation.sglang import LaunchSpec, SGLangServer, engine_command, free_port
 
-                spec = LaunchSpec(str(path.resolve()), tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype,
-                                  mem_fraction=mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
-                server = SGLangServer(engine_command(engine_cmd), spec, run_dir / "server.log", health_timeout)
-                if on_launch is not None:
-                    on_launch(server.command)
+                spec = LaunchSpec(str(path.resolve()), tp=run.tp, ep=run.ep, kv_cache_dtype=run.kv_cache_dtype,
+                                  mem_fraction=run.mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
+                server = SGLangServer(engine_command(run.engine_cmd), spec, run_dir / "server.log", run.health_timeout)
+                if run.on_launch is not None:
+                    run.on_launch(server.command)
                 url = stack.enter_context(server)
-            settings = engine_settings(engine, kv_cache_dtype, batch_size, tp, ep, mem_fraction)
-            lm, engine_record, provenance["server"] = _api_engine(engine, url, path, batch_size, settings)
+            lm, engine_record, provenance["server"] = _api_engine(run.engine, url, path, run.batch_size,
+                                                                  run.settings())
         record = RunRecord(**provenance, engine=engine_record)
         _check_same_run(run_dir, previous, record)
+        cache = RequestCache(cache_dir / "requests.jsonl", cache_binding(record, attempt))
         write_run_record(run_dir, record)
 
         built = any(c.yaml is not None for c in configs.values())
         manager = TaskManager(include_path=str(task_folder)) if built else TaskManager()
-        cached = CachedLM(lm, RequestCache(run_dir / "cache" / "requests.jsonl"))
+        stack.enter_context(_no_environment_probe())
+        cached = CachedLM(lm, cache)
         scores = {}
-        for task, name in zip(tasks, names):
+        for task, name in zip(run.tasks, names):
             try:
                 result = lm_eval.simple_evaluate(
-                    model=TaskProgress(cached, task, on_progress), tasks=[name], task_manager=manager, limit=limit,
-                    log_samples=True, **SEEDS)
+                    model=TaskProgress(cached, task, run.on_progress), tasks=[name], task_manager=manager,
+                    limit=run.limit, log_samples=True, **SEEDS)
             except (QuantkitError, KeyboardInterrupt):
                 raise
             except Exception as exc:
-                if engine == "hf":
+                if run.engine == "hf":
                     raise
                 if server is not None:
                     server.check_alive(f"during task {task}")
                 raise EngineError(f"{url} failed during task {task}: {_cause(exc)}") from exc
             scores[task] = _write_samples(run_dir, task, result["samples"][name], result["results"][name], tokenizer)
     write_scores(run_dir, scores)
-    if repeat == 2:  # a fresh request cache: the engine answers everything again
-        evaluate(model, engine=engine, tasks=tasks, data_dir=data_dir, limit=limit, kv_cache_dtype=kv_cache_dtype,
-                 out=run_dir / REPEAT_DIR, batch_size=batch_size, tp=tp, ep=ep, url=url, engine_cmd=engine_cmd,
-                 mem_fraction=mem_fraction, health_timeout=health_timeout, on_progress=on_progress, on_launch=on_launch)
-    return EvalResult(str(path), str(run_dir), engine, {t: s.model_dump() for t, s in scores.items()},
-                      time.perf_counter() - started)
+    return scores
+
+
+@contextmanager
+def _no_environment_probe():
+    """lm-eval ends every ``simple_evaluate`` by recording the environment: ``git describe`` in the working folder
+    (which prints git's "fatal: not a git repository" outside a checkout) and torch's collect_env (2 s of
+    subprocesses per task). quantkit keeps its own provenance in run.json and reads neither."""
+    import lm_eval.evaluator as evaluator
+
+    saved = evaluator.get_git_commit_hash, evaluator.add_env_info
+    evaluator.get_git_commit_hash, evaluator.add_env_info = (lambda: None), (lambda storage: None)
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash, evaluator.add_env_info = saved
 
 
 def engine_settings(engine: str, kv_cache_dtype: str, batch_size: int, tp: int = 1, ep: int = 1,
-                    mem_fraction: float | None = None) -> dict:
-    """The engine settings a run records and two compared runs must share (engine.args in run.json)."""
+                    mem_fraction: float | None = None, device: str | None = None) -> dict:
+    """The engine settings a run records and two compared runs must share (engine.args in run.json); for hf the
+    kind of device (cpu, cuda), whose arithmetic differs."""
     if engine == "sglang":
         from quantkit.evaluation.sglang import LaunchSpec
 
         settings = LaunchSpec("", tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, mem_fraction=mem_fraction,
                               seed=SEEDS["random_seed"]).settings()
     elif engine == "hf":
-        settings = {"kv_cache_dtype": kv_cache_dtype, "dtype": "model"}
+        settings = {"kv_cache_dtype": kv_cache_dtype, "dtype": "model",
+                    "device": (device or "cpu").split(":")[0]}
     else:
         settings = {"kv_cache_dtype": kv_cache_dtype}
     return dict(settings, batch_size=batch_size)
@@ -398,7 +485,7 @@ def _tokenizer(path: Path):
         raise QuantkitError(f"no usable tokenizer ({exc})", path) from exc
 
 
-def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scales, stack: ExitStack):
+def _hf_engine(path: Path, tokenizer, run: _Run, stack: ExitStack):
     import torch
     import transformers
     from lm_eval.models.huggingface import HFLM
@@ -408,12 +495,13 @@ def _hf_engine(path: Path, tokenizer, batch_size: int, kv_cache_dtype: str, scal
     from quantkit.kv.hooks import kv_hooks
     from quantkit.modeling import load_model
 
-    lm_model = load_model(path)
-    if scales:
-        stack.enter_context(kv_hooks(lm_model, detect_family(open_checkpoint(path).config).attention, scales=scales))
+    lm_model = load_model(path, device=run.device)
+    if run.scales:
+        attention = detect_family(open_checkpoint(path).config).attention
+        stack.enter_context(kv_hooks(lm_model, attention, scales=run.scales))
     engine = EngineRecord(name="hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
-                          args=engine_settings("hf", kv_cache_dtype, batch_size))
-    return HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size), engine
+                          args=run.settings())
+    return HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=run.batch_size), engine
 
 
 def _api_engine(engine: str, url: str, path: Path, batch_size: int, settings: dict):

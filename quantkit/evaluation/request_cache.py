@@ -6,6 +6,12 @@ runs arbitrary code. quantkit keeps its cache as JSON lines instead, one answer 
 by lm-eval's request hash (``hash_args``: sha256 of the method and its JSON arguments), and
 validates every value read back: a log-likelihood is ``[float, bool]``, a generation a string.
 Answers are appended as the model produces them, so a crash loses nothing already done.
+
+Every answer is bound to what produced it: each line carries the run's ``binding`` (a digest of the
+model's file checksums and the engine and its settings, ``evaluation.cache_binding``). A request
+alone does not say which model answered it, so a cache copied from another model's run would
+otherwise score that model's answers as this one's; a cache holding any answer of another binding,
+or an unbound one, is refused whole.
 """
 
 from __future__ import annotations
@@ -37,18 +43,20 @@ def _valid(attr: str, value):
 
 
 class RequestCache:
-    """``RUN_DIR/cache/requests.jsonl``; also lm-eval's cache hook (``add_partial``)."""
+    """``RUN_DIR/cache/requests.jsonl`` of one binding; also lm-eval's cache hook (``add_partial``)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, binding: str):
         self.path = Path(path)
+        self.binding = binding
         self.answers: dict[str, object] = {}
-        if self.path.is_file() and not self.path.is_symlink():
-            self._load()
-        elif self.path.is_symlink():
+        if self.path.is_symlink():
             raise QuantkitError("the request cache is a link: refused", self.path)
+        if self.path.is_file():
+            self._load()
 
     def _load(self) -> None:
         lines = self.path.read_bytes().splitlines()  # decoded line by line: a kill may cut the last one mid-character
+        foreign = unbound = 0
         for n, line in enumerate(lines, 1):
             try:
                 row = json.loads(line.decode("utf-8"))
@@ -61,7 +69,18 @@ class RequestCache:
                     continue
                 raise QuantkitError(f"line {n}: not a cached answer ({exc}); delete the cache to start over",
                                     self.path) from exc
+            binding = row.get("binding")
+            if binding != self.binding:
+                foreign += binding is not None
+                unbound += binding is None
+                continue
             self.answers[key] = answer
+        if foreign or unbound:
+            what = (f"{foreign} answer(s) of another model or engine setup" if foreign else "") + \
+                   (" and " if foreign and unbound else "") + \
+                   (f"{unbound} answer(s) bound to no model (an older quantkit's)" if unbound else "")
+            raise QuantkitError(f"holds {what}: refused, they would be scored as this model's; delete "
+                                f"{self.path.parent} or evaluate into another --out", self.path)
 
     def get(self, attr: str, args) -> object | None:
         return self.answers.get(hash_args(attr, args))
@@ -72,10 +91,9 @@ class RequestCache:
         if key in self.answers or _valid(attr, value) is None:
             return
         self.answers[key] = res
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         with os.fdopen(fd, "a") as f:
-            f.write(json.dumps({"key": key, "attr": attr, "answer": value}) + "\n")
+            f.write(json.dumps({"key": key, "attr": attr, "answer": value, "binding": self.binding}) + "\n")
 
 
 class CachedLM(DelegatingLM):

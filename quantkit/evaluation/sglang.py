@@ -131,8 +131,10 @@ class SGLangServer:
         self._previous_sigterm = None
 
     def __enter__(self) -> str:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        try:  # never through a link planted at RUN_DIR/server.log
+            log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab")
+        except OSError as exc:
+            raise QuantkitError(f"cannot write the server log ({exc.strerror}; a link is refused)", self.log_path) from exc
         log.write(f"$ {shlex.join(self.command)}\n".encode())
         log.flush()
         try:

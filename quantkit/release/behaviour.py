@@ -22,7 +22,7 @@ from statistics import median
 
 from pydantic import BaseModel, ConfigDict
 
-from quantkit.errors import CannotCompare
+from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.evaluation.generation import runaway
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record
 
@@ -59,8 +59,28 @@ class NoiseFloor(_Strict):
     changed_answers: float | None = None  # generative tasks: percent of items whose generated answer differs
 
 
+GENERATION_FIELDS = ("generated_tokens", "hit_limit", "repetition")
+
+
 def has_generations(rows: dict[str, SampleRecord]) -> bool:
-    return all(r.generated_tokens is not None for r in rows.values())
+    return all(all(getattr(r, f) is not None for f in GENERATION_FIELDS) for r in rows.values())
+
+
+def missing_generation(rows: dict[str, SampleRecord]) -> str | None:
+    """The first item (by id) whose record lacks a field the behaviour checks read, or None."""
+    return next((i for i in sorted(rows) if any(getattr(rows[i], f) is None for f in GENERATION_FIELDS)), None)
+
+
+def is_generative(task: str, *runs: dict[str, SampleRecord]) -> bool:
+    """A task whose answers are generated: by its definition, or by any record that holds a generated answer."""
+    from quantkit.evaluation import task_spec
+
+    try:
+        generative = task_spec(task)["output_type"] == "generate_until"
+    except QuantkitError:  # not a task quantkit defines: its records decide
+        generative = False
+    return generative or any(r.response is not None or r.generation is not None or r.generated_tokens is not None
+                             for rows in runs for r in rows.values())
 
 
 def length_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict[str, SampleRecord], limit: float,

@@ -28,8 +28,9 @@ from quantkit.packaged import suite_path
 from quantkit.release.behaviour import (
     BehaviourCheck,
     NoiseFloor,
-    has_generations,
+    is_generative,
     length_check,
+    missing_generation,
     noise_floor,
     read_noise_run,
     runaway_check,
@@ -135,6 +136,13 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
         spec = _SuiteFile.model_validate(doc if doc is not None else {})
     except ValidationError as exc:
         raise QuantkitError(f"invalid suite: {field_error(exc)}", path) from exc
+    from quantkit.evaluation import task_spec
+
+    for name in spec.tasks:
+        try:
+            task_spec(name)
+        except QuantkitError as exc:
+            raise QuantkitError(f"invalid suite: {exc.message}", path) from exc
     tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
              for name, t in spec.tasks.items()}
     return Suite(tasks=tasks, **spec.model_dump(exclude={"tasks", "margin"}))
@@ -213,10 +221,12 @@ def gate(
         b, c = load_samples(Path(baseline), base_record, task), load_samples(Path(candidate), cand_record, task)
         ids = _paired_items(task, b, c, candidate)
         verdict = _task_verdict(task, ids, b, c, task_margin, z, spec)
-        if has_generations(b) or has_generations(c):
-            if not (has_generations(b) and has_generations(c)):
-                raise CannotCompare(f"task {task}: generation records (tokens, limit, repetition) in one run only; "
-                                    "re-run eval for the other", candidate)
+        if is_generative(task, b, c):
+            # the behaviour checks decide generative tasks: a record without their fields would switch them off
+            for run, rows in ((baseline, b), (candidate, c)):
+                if (item := missing_generation(rows)) is not None:
+                    raise CannotCompare(f"task {task}: item {item} has no generation record (tokens, limit, "
+                                        "repetition), which the behaviour checks need; re-run eval for this run", run)
             behaviour += [length_check(task, ids, b, c, spec.length_limit, 1 - alpha, spec.bootstrap_rounds),
                           runaway_check(task, ids, b, c, spec.runaway_margin, z)]
         if noise_record is not None:

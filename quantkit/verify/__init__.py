@@ -115,8 +115,12 @@ def verify(
         except QuantkitError as exc:
             findings.append(Finding("structure", "readable source", exc.message, exc.tensor, exc.file))
         else:
-            findings += _same_modules(src, ckpt)
-            worst = _numbers(src, ckpt, findings, checked)
+            mismatch = _not_the_source(src, ckpt)
+            if mismatch is not None:
+                findings.append(mismatch)
+            else:
+                findings += _same_modules(src, ckpt)
+                worst = _numbers(src, ckpt, findings, checked)
     if smoke:
         findings += _smoke(ckpt, checked)
     return VerifyReport(
@@ -295,6 +299,19 @@ def _names_load(ckpt: Checkpoint, engine: str, checked: dict[str, int], notes: l
     return [Finding("engine", f"every tensor lands on a {rules.engine} {rules.version} parameter of {rules.model_class}",
                     u.reason, u.name, ckpt.tensors[u.name].file)
             for u in unplaced_tensors(names, ckpt.config, rules)]
+
+
+def _not_the_source(src: Checkpoint, dst: Checkpoint) -> Finding | None:
+    """Numbers compared against anything but the checkpoint DST was made from prove nothing (DST against itself
+    always passes): ``--source`` must be DST's source as its manifest recorded it (fingerprint of config and headers)."""
+    rule = "--source is the checkpoint the manifest says DST was converted from"
+    if src.root.resolve() == dst.root.resolve():
+        return Finding("structure", rule, "--source is DST itself", file=str(src.root))
+    manifest = load_manifest(dst.root)
+    if manifest is not None and manifest.source_fingerprint != src.fingerprint():
+        return Finding("structure", rule, f"its config and headers differ from those of the recorded source "
+                       f"({manifest.source_path})", file=str(src.root))
+    return None
 
 
 def _param_key(name: str) -> str:
