@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibration_data import DEFAULT_DATA, load_texts, model_tokenizer, token_batches
+from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
+from quantkit.checkpoint.writer import LOCK_NAME, folder_lock
+from quantkit.devices import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
 from quantkit.kv.engine_names import engine_usage, scale_names
@@ -57,7 +59,11 @@ def calibrate_kv(
     device: str = "auto",
     batches: list[torch.Tensor] | None = None,
 ) -> KVCalibrationResult:
-    """Calibrate MODEL's FP8 KV scales; write them to OUT (a copy of MODEL) or into MODEL."""
+    """Calibrate MODEL's FP8 KV scales; write them to OUT (a copy of MODEL) or into MODEL.
+
+    Everything that can be refused is decided before the first byte is written (OUT inside MODEL, a
+    quantization_config that cannot carry a KV scheme, bad data); the folder written is locked meanwhile.
+    """
     started = time.perf_counter()
     src = Path(model)
     if (out is None) == (not in_place):
@@ -66,6 +72,12 @@ def calibrate_kv(
     family = detect_family(ckpt.config)
     if "num_attention_heads" not in ckpt.config or not _known_attention(ckpt.config):
         raise QuantkitError(f"no attention layers quantkit knows in model_type {ckpt.config.get('model_type')!r}", src / "config.json")
+    dst = src if in_place else Path(out)
+    if not in_place:
+        _check_out(src, dst)
+    config = dict(ckpt.config, quantization_config=_with_kv_scheme(ckpt.config.get("quantization_config"),
+                                                                   src / "config.json"))
+    dev = resolve_device(device)
     if batches is not None:
         seq_len = int(batches[0].shape[1])
     limit = int(ckpt.config.get("max_position_embeddings") or seq_len)
@@ -73,19 +85,31 @@ def calibrate_kv(
         raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context ({limit})", src / "config.json")
     if batches is None:
         data_path = Path(data) if data else DEFAULT_DATA
-        batches = token_batches(model_tokenizer(src), load_texts(data_path, text_field), samples, seq_len, batch_size,
-                                data_path)
-    dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    observer, peak = layerwise_observe(ckpt, batches, dev)
-    scales = observer.scales()
-    dst = Path(out) if out is not None else src
-    json_path, plot_path = write_scales(ckpt, dst, scales, family.attention, copy=not in_place)
+        batches = calibration_batches(data_path, text_field, samples, seq_len, batch_size, lambda: model_tokenizer(src),
+                                      ckpt.config.get("vocab_size"))
+    if not in_place:
+        dst.mkdir(parents=True, exist_ok=True)
+    with folder_lock(dst):
+        observer, peak = layerwise_observe(ckpt, batches, dev)
+        scales = observer.scales()
+        json_path, plot_path, engines = write_scales(ckpt, dst, scales, family.attention, copy=not in_place,
+                                                     config=config)
     return KVCalibrationResult(
         model=str(src), out=str(dst), attention=family.attention, samples=sum(len(b) for b in batches),
         seq_len=int(batches[0].shape[1]), layers=len(scales), scales=scales, json_path=str(json_path),
-        plot_path=str(plot_path), seconds=time.perf_counter() - started, peak_layer_bytes=peak,
-        engines=json.loads(Path(json_path).read_text())["engines"],
+        plot_path=str(plot_path), seconds=time.perf_counter() - started, peak_layer_bytes=peak, engines=engines,
     )
+
+
+def _check_out(src: Path, dst: Path) -> None:
+    """OUT is a new or empty folder outside MODEL: a copy inside MODEL would be copied along by the next convert."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s:
+        raise QuantkitError("--out must differ from the model folder (or use --in-place)", dst)
+    if s in d.parents:
+        raise QuantkitError(f"--out must not be inside the model folder ({src})", dst)
+    if dst.exists() and (not dst.is_dir() or any(p.name != LOCK_NAME for p in dst.iterdir())):
+        raise QuantkitError("is not empty", dst)
 
 
 def _known_attention(config: dict) -> bool:
@@ -123,25 +147,29 @@ def whole_model_observe(path, batches: list[torch.Tensor]) -> KVObserver:
     return observer
 
 
-def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attention: str, copy: bool) -> tuple[Path, Path]:
-    """k_scale / v_scale tensors beside each attention module, kv_cache_scheme in the config,
-    the index and manifest updated; DST starts as a copy (hard links where possible) of the model."""
+def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attention: str, copy: bool,
+                 config: dict | None = None) -> tuple[Path, Path, dict[str, str]]:
+    """k_scale / v_scale tensors beside each attention module, kv_cache_scheme in the config (``config``: the
+    model's config with it, when the caller has built it already), the index and manifest updated; DST starts
+    as a copy (hard links where possible) of the model. Returns the JSON record, the plot and per engine where
+    it loads the scales."""
     from quantkit.checkpoint.manifest import ShardRecord, load_manifest
     from quantkit.checkpoint.writer import write_bytes_atomic, write_safetensors
 
     src = ckpt.root
+    if config is None:
+        config = dict(ckpt.config, quantization_config=_with_kv_scheme(ckpt.config.get("quantization_config"),
+                                                                       src / "config.json"))
     if copy:
-        if dst.resolve() == src.resolve():
-            raise QuantkitError("--out must differ from the model folder (or use --in-place)", dst)
-        if dst.exists() and any(dst.iterdir()):
-            raise QuantkitError("is not empty", dst)
+        _check_out(src, dst)
         dst.mkdir(parents=True, exist_ok=True)
         for p in sorted(src.rglob("*")):
-            if p.is_file():
-                target = dst / p.relative_to(src)
+            rel = p.relative_to(src)
+            if p.is_file() and not any(part.startswith(".") for part in rel.parts):  # no lock, temporaries, caches
+                target = dst / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.link(p, target)  # same bytes, no copy; we never write into these files
+                    os.link(p, target, follow_symlinks=True)  # same bytes, no copy; we never write into these files
                 except OSError:
                     shutil.copy2(p, target)
     tensors = {}
@@ -162,8 +190,6 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
     write_bytes_atomic(index_path, (json.dumps(index, indent=2) + "\n").encode())
 
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = _with_kv_scheme(config.get("quantization_config"))
     # a new inode: DST's files may be hard links to the model's, which must stay untouched
     write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
 
@@ -177,10 +203,10 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
               "fp8_max": FP8_MAX, "engines": engine_usage(config),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
-    return json_path, _plot(scales, dst / "kv_scales.png", attention)
+    return json_path, _plot(scales, dst / "kv_scales.png", attention), record["engines"]
 
 
-def _with_kv_scheme(qc: dict | None) -> dict:
+def _with_kv_scheme(qc: dict | None, config_path: Path | None = None) -> dict:
     """The quantization_config with the static FP8 KV-cache scheme (formats/quant_config.py: the JSON
     compressed-tensors writes, as convert's is)."""
     from quantkit.formats.quant_config import QuantizationArgs, QuantizationConfig
@@ -189,7 +215,8 @@ def _with_kv_scheme(qc: dict | None) -> dict:
     if qc and qc.get("quant_method") == "compressed-tensors":
         return dict(qc, kv_cache_scheme=scheme.model_dump(mode="json"))
     if qc:
-        raise QuantkitError(f"cannot add KV scales to a {qc.get('quant_method')} quantization_config; convert first")
+        raise QuantkitError(f"cannot add KV scales to a {qc.get('quant_method')} quantization_config; convert first",
+                            config_path)
     config = QuantizationConfig(config_groups={}, kv_cache_scheme=scheme, quantization_status="compressed", format="dense")
     return config.model_dump(mode="json")
 
