@@ -2,9 +2,11 @@
 
 plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish.
 
-Each finished stage is recorded in WORK/release-state.json with a fingerprint of the config
-sections it depends on (its own and every earlier stage's). ``--resume`` skips a stage whose
-fingerprint is unchanged, so fixing a later stage's settings re-runs only from there. A baseline
+Each finished stage is recorded in WORK/release-state.json (release/state.py) with a fingerprint of
+the config sections it depends on (its own and every earlier stage's) and the files it left behind.
+``--resume`` skips a stage whose fingerprint is unchanged and whose files are all still there as it
+left them, so fixing a later stage's settings re-runs only from there, and a deleted or edited output
+runs its stage again. WORK is locked while a release runs in it. A baseline
 run already on disk with the same shards, tasks and engine settings is reused without serving
 the source again. A failure stops the chain with the stage, the cause and the command to resume.
 """
@@ -22,14 +24,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
+from quantkit.checkpoint.writer import LOCK_NAME, folder_lock, sha256_file, work_folder, write_bytes_atomic, write_error
 from quantkit.errors import QuantkitError, field_error
 from quantkit.evaluation.run_dir import read_scores
 from quantkit.packaged import recipe_path, suite_path
 from quantkit.release.gate import DEFAULT_SUITE
+from quantkit.release.state import STATE_NAME, ReleaseState, StageState, load_state
 
 STAGES = ("plan", "convert", "calibrate-kv", "verify", "eval-baseline", "eval-candidate", "gate", "publish")
-STATE_NAME = "release-state.json"
 
 
 class _Section(BaseModel):
@@ -70,6 +72,7 @@ class EvalSettings(_Section):
     ep: int = 1
     mem_fraction: float | None = None
     health_timeout: float = 1800
+    device: str = "auto"  # hf: where the model runs (auto: the first GPU, else the CPU)
     kv_cache_dtype: str = "auto"  # the baseline's: the prefill pool's BF16 KV cache
     candidate_kv_cache_dtype: str | None = None  # default: fp8_e4m3 when calibrate_kv is set, else as the baseline
     baseline_run: str | None = None  # default WORK/runs/baseline; point at another release's to reuse it
@@ -186,11 +189,21 @@ def release(
 
     _suite_tasks_evaluated(config, resolve(config.suite), config_path)
     work = resolve(config.work_dir) or base / f"{config_path.stem}-work"
-    state_path = work / STATE_NAME
-    state = _load_state(state_path)
-    if state and not resume:
+    if load_state(work / STATE_NAME) and not resume:
         raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(work, exc) from exc
+    with folder_lock(work):  # read again under the lock: the state another process left, not a stale copy
+        state = load_state(work / STATE_NAME) or ReleaseState()
+        return _release(config, config_path, work, state, resolve, on_stage, api, on_progress, on_launch)
+
+
+def _release(config: ReleaseConfig, config_path: Path, work: Path, state: ReleaseState, resolve, on_stage, api,
+             on_progress, on_launch) -> ReleaseResult:
+    """The chain in WORK, which the caller holds locked."""
+    state_path = work / STATE_NAME
     source = resolve(config.source)
     recipe_file = resolve(config.recipe)
     recipe = str(recipe_file) if recipe_file.is_file() else config.recipe  # else a built-in name
@@ -203,6 +216,10 @@ def release(
     baseline_run = resolve(config.eval.baseline_run) or runs / "baseline"
     candidate_run = runs / "candidate"
     gate_dir = work / "gate"
+    for sub in ("model", "runs", "runs/candidate", "gate"):  # quantkit's own sub-folders: never links leading out
+        work_folder(work, sub)
+    if config.eval.baseline_run is None:
+        work_folder(work, "runs/baseline")
     ev = config.eval
     data_dir = resolve(ev.data_dir)
     cand_kv = ev.candidate_kv_cache_dtype or ("fp8_e4m3" if config.calibrate_kv else ev.kv_cache_dtype)
@@ -213,8 +230,8 @@ def release(
 
         return evaluate(model, engine=ev.engine, tasks=ev.tasks, data_dir=data_dir, limit=ev.limit, kv_cache_dtype=kv,
                         out=out, batch_size=ev.batch_size, tp=ev.tp, ep=ev.ep, url=ev.url, engine_cmd=ev.engine_cmd,
-                        mem_fraction=ev.mem_fraction, health_timeout=ev.health_timeout, on_progress=on_progress,
-                        on_launch=on_launch, repeat=repeat)
+                        mem_fraction=ev.mem_fraction, health_timeout=ev.health_timeout, device=ev.device,
+                        on_progress=on_progress, on_launch=on_launch, repeat=repeat)
 
     def stage_plan():
         from quantkit.plan import plan
@@ -228,10 +245,10 @@ def release(
 
         c = config.convert
         # WORK/model is replaced only when this release wrote it (state says so): never a checkpoint put there by hand.
-        if dst.exists() and any(dst.iterdir()) and not state.get("owns_model"):
+        if any(p.name != LOCK_NAME for p in dst.iterdir()) and not state.owns_model:
             raise QuantkitError("holds files this release did not write; move them away or set another work_dir", dst)
-        state["owns_model"] = True
-        _save_state(state_path, state)
+        state.owns_model = True
+        state.save(state_path)
         settings = {"device": c.device, "workers": c.workers, "max_shard_size": c.max_shard_size,
                     "calibration_data": resolve(c.calibration_data)}
         try:
@@ -263,9 +280,11 @@ def release(
         return f"passed for {v.engine} tp={v.tp}"
 
     def stage_eval_baseline():
+        from quantkit.devices import resolve_device
         from quantkit.evaluation import REPEAT_DIR, engine_settings, finished_run
 
-        settings = engine_settings(ev.engine, ev.kv_cache_dtype, ev.batch_size, ev.tp, ev.ep, ev.mem_fraction)
+        device = resolve_device(ev.device) if ev.engine == "hf" else None
+        settings = engine_settings(ev.engine, ev.kv_cache_dtype, ev.batch_size, ev.tp, ev.ep, ev.mem_fraction, device)
         repeated = ev.repeat == 1 or finished_run(baseline_run / REPEAT_DIR, source, ev.engine, ev.tasks, data_dir,
                                                   ev.limit, settings)
         if repeated and finished_run(baseline_run, source, ev.engine, ev.tasks, data_dir, ev.limit, settings):
@@ -294,30 +313,53 @@ def release(
     p = config.publish
     local = p.repo.startswith("file://")
     repo = "file://" + str(resolve(p.repo.removeprefix("file://"))) if local else p.repo
-    result.published = repo.removeprefix("file://")
+    target = repo.removeprefix("file://")
 
     def stage_publish():
         from quantkit.release.publish import publish
 
         done = publish(dst, repo, gate=gate_dir / "verdict.json", private=p.private, revision=p.revision,
                        base_model=p.base_model, api=api)
-        return f"{len(done.files)} files to {result.published}"
+        published_files[:] = [f["name"] for f in done.files]
+        return f"{len(done.files)} files to {target}"
+
+    published_files: list[str] = []
+
+    def outputs(stage: str) -> tuple[list[Path], dict[str, str]]:
+        """The files a stage just left behind (what a resume checks), with the sha256 already known of some."""
+        if stage == "plan":
+            return [work / "plan.json"], {}
+        if stage in ("convert", "calibrate-kv"):
+            return _model_files(dst)
+        if stage == "verify":
+            return [work / "verify.json"], {}
+        if stage == "eval-baseline":
+            return _run_files(baseline_run, ev.tasks, ev.repeat), {}
+        if stage == "eval-candidate":
+            return _run_files(candidate_run, ev.tasks, 1), {}
+        if stage == "gate":
+            return sorted(p for p in gate_dir.iterdir() if p.is_file() and not p.name.startswith(".")), {}
+        if not local:  # the hub's copy cannot be checked offline; its upload resumes on its own
+            return [], {}
+        known = {str(Path(target) / name): state.files[str(dst / name)].sha256
+                 for name in published_files if str(dst / name) in state.files}
+        return [Path(target) / name for name in published_files], known
 
     steps = {"plan": stage_plan, "convert": stage_convert, "calibrate-kv": stage_calibrate, "verify": stage_verify,
              "eval-baseline": stage_eval_baseline, "eval-candidate": stage_eval_candidate, "gate": stage_gate,
              "publish": stage_publish}
-    state = state or {"stages": {}}
     fingerprint = hashlib.sha256()
-    for stage in STAGES:
+    for index, stage in enumerate(STAGES):
         sections = {name: getattr(config, name) for name in STAGE_INPUTS[stage]}
         fingerprint.update(json.dumps({k: v.model_dump() if isinstance(v, BaseModel) else v
                                        for k, v in sections.items()}, sort_keys=True).encode())
         for path in file_inputs.get(stage, []):
             fingerprint.update(f"{path.name}:{sha256_file(path) if path.is_file() else 'missing'}".encode())
         digest = fingerprint.hexdigest()
-        done = state["stages"].get(stage)
-        if done and done["fingerprint"] == digest:
-            record = StageRecord(stage, StageStatus.RESUMED, done["seconds"], done["summary"])
+        done = state.stages.get(stage)
+        changed = state.changed_output(stage) if done and done.fingerprint == digest else None
+        if done and done.fingerprint == digest and changed is None:
+            record = StageRecord(stage, StageStatus.RESUMED, done.seconds, done.summary)
         else:
             started = time.perf_counter()
             try:
@@ -327,19 +369,50 @@ def release(
             status, summary = outcome if isinstance(outcome, tuple) else (StageStatus.RAN, outcome)
             if summary is None:
                 status, summary = StageStatus.SKIPPED, "not configured"
+            if changed is not None:
+                summary += f" (run again: {changed})"
             record = StageRecord(stage, status, round(time.perf_counter() - started, 1), summary)
-            state["stages"][stage] = {"fingerprint": digest, "seconds": record.seconds, "summary": record.summary}
-            # Later stages built on the old result of this one are stale now.
-            for later in STAGES[STAGES.index(stage) + 1:]:
-                state["stages"].pop(later, None)
-            _save_state(state_path, state)
+            # this stage's old result, and every later stage built on it, are stale now
+            state.forget_from(STAGES[index:])
+            files, known = outputs(stage) if status != StageStatus.SKIPPED else ([], {})
+            state.stages[stage] = StageState(fingerprint=digest, seconds=record.seconds, summary=record.summary,
+                                             outputs=state.record(files, known))
+            state.save(state_path)
         result.stages.append(record)
         if on_stage is not None:
             on_stage(record)
+    result.published = target  # every stage, publish included, is done and its files are in place
     if (gate_dir / "report.md").is_file():
         result.gate_table = result.gate_table or (gate_dir / "report.md").read_text()
         result.verdict, result.report = str(gate_dir / "verdict.json"), str(gate_dir / "report.html")
     return result
+
+
+def _model_files(model: Path) -> tuple[list[Path], dict[str, str]]:
+    """Every file of a converted model, with the sha256 its manifest records for the shards (already hashed as
+    they were written)."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import CARD_NAME, shipped_files
+
+    manifest = load_manifest(model)
+    recorded = manifest.shards if manifest is not None else {}
+    files, known = [], {}
+    for f in shipped_files(model):
+        if f["name"] == CARD_NAME:  # publish's own file, rewritten by it (a source's card is copied, then replaced)
+            continue
+        path = model / f["name"]
+        files.append(path)
+        if f["name"] in recorded and recorded[f["name"]].size == f["bytes"]:
+            known[str(path.absolute())] = recorded[f["name"]].sha256
+    return files, known
+
+
+def _run_files(run_dir: Path, tasks: list[str], repeat: int) -> list[Path]:
+    """What the gate reads of an evaluation run (its provenance, scores and per-item records), and of its repeat."""
+    from quantkit.evaluation import REPEAT_DIR
+
+    files = [run_dir / "run.json", run_dir / "results.json"] + [run_dir / "samples" / f"{t}.jsonl" for t in tasks]
+    return files + (_run_files(run_dir / REPEAT_DIR, tasks, 1) if repeat == 2 else [])
 
 
 def _scores(scores: dict) -> str:
@@ -355,20 +428,3 @@ def _calibration_files(recipe: str, override: Path | None) -> list[Path]:
     if rec.gptq is None:
         return []
     return [override or rec.calibration_data() or DEFAULT_DATA]
-
-
-def _save_state(path: Path, state: dict) -> None:
-    write_bytes_atomic(path, (json.dumps(state, indent=2) + "\n").encode())
-
-
-def _load_state(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        state = json.loads(path.read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("stages"), dict) or not all(
-                isinstance(v, dict) and {"fingerprint", "seconds", "summary"} <= set(v) for v in state["stages"].values()):
-            raise ValueError("not a release state")
-        return state
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise QuantkitError(f"unreadable release state ({exc}); remove it to start over", path) from exc
