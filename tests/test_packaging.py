@@ -16,11 +16,15 @@ def test_a_built_wheel_converts_with_a_built_in_recipe(synthetic, tmp_path):
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
                                                                  ".pytest_cache", "runs", "quantkit-demo"))
     built = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(built)], check=True, capture_output=True)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                            "-v", "-w", str(built)], check=True, capture_output=True, text=True)
+    # setuptools warns when a data folder is importable but not declared: the install must say nothing of the kind
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr
     wheel = next(built.glob("quantkit-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "quantkit/recipes/glm5-int4-experts-g32.yaml" in names and "quantkit/suites/release.yaml" in names
+    for data in ("calibration.jsonl", "evaldata/arc_easy/test.jsonl", "evaldata/gsm8k/test.jsonl"):
+        assert f"quantkit/data/{data}" in names
     assert "cli.py" not in names  # no bare top-level module
 
     # A fresh environment: the wheel in its own site-packages, the dependencies borrowed read-only

@@ -1,9 +1,9 @@
-"""``demo``: two real releases of a real small model, offline, on a laptop CPU.
+"""``demo``: three real releases of a real small model, offline, on a laptop CPU.
 
 SmolLM2-135M-Instruct (fetched from PyPI, see real_models) is written as a block-FP8 source the way
-DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs twice from that source, with the
+DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs three times from that source, with the
 in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the small-model
-suite (eval/suites/small-model.yaml), both candidates with calibrated FP8 KV caches:
+suite (eval/suites/small-model.yaml), every candidate with a calibrated FP8 KV cache:
 
   int4       the MLP to INT4 group 32 by round-to-nearest, attention kept: the GLM 5.x decode-pool
              recipe's counterpart for a dense model (its MLPs play the routed experts);
