@@ -39,13 +39,13 @@ class ShardRecord(BaseModel):
 
 
 class GPTQModuleRecord(BaseModel):
-    """How one INT4 weight of a GPTQ recipe was quantized, and on how much calibration."""
+    """How one INT4 weight of a GPTQ or SignRound recipe was quantized, and on how much calibration."""
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["gptq", "rtn"]
+    method: Literal["gptq", "signround", "rtn"]
     tokens: int = Field(ge=0)  # calibration tokens that reached it (routed to its expert, for experts)
-    loss: float | None = None  # GPTQ's reported loss
+    loss: float | None = None  # GPTQ's reported loss; SignRound: its layer's best block-output MSE
     reason: str | None = None  # why RTN, or how the Hessian was built when not from routed tokens
 
 

@@ -128,11 +128,16 @@ def convert(
     rec = load_recipe(recipe)
     plan = plan_conversion(ckpt, rec, parse_size(max_shard_size))
     devices = resolve_devices(device)
-    if calibration_data is not None and rec.gptq is None:
-        raise QuantkitError(f"--calibration-data is for GPTQ recipes; {rec.name} is round-to-nearest")
+    if calibration_data is not None and rec.calibration is None:
+        raise QuantkitError(f"--calibration-data is for GPTQ and SignRound recipes; {rec.name} is round-to-nearest")
     if rec.gptq:
         gptq.llmcompressor_gptq()  # its absence stops the run here, before DST exists
-    batches = gptq_batches(ckpt, rec, calibration_data) if rec.gptq else None
+    if rec.signround:
+        from quantkit.convert import signround
+
+        signround.llmcompressor_autoround()
+        signround.check_targets(ckpt, plan, rec)
+    batches = gptq_batches(ckpt, rec, calibration_data) if rec.calibration else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
 
@@ -162,11 +167,12 @@ def convert(
                        "config.json and the index are rewritten, so KV scales added since must be calibrated again")
         quantized = None
         if batches and _needs_gptq(todo, ckpt, plan, rec):
-            quantized = gptq.run_gptq(ckpt, rec, plan, dst_path, manifest, batches, devices, on_gptq_layer)
+            run = gptq.run_gptq if rec.gptq else signround.run_signround
+            quantized = run(ckpt, rec, plan, dst_path, manifest, batches, devices, on_gptq_layer)
         if todo or not finished:  # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
             _run_all(todo, workers, devices, plan, ckpt, dst_path, stats, progress, manifest, quantized)
             _finish(ckpt, rec, plan, dst_path, manifest)
-        shutil.rmtree(dst_path / gptq.WORK_DIR, ignore_errors=True)  # every GPTQ result is in the shards now
+        shutil.rmtree(dst_path / gptq.WORK_DIR, ignore_errors=True)  # every calibrated result is in the shards now
     kinds = Counter(a.kind.value for s in plan.shards for a in s.actions)
     planned = {s.name for s in plan.shards}
     return ConvertResult(
@@ -185,7 +191,7 @@ def convert(
         seconds=time.perf_counter() - started,
         stage_seconds=dict(stats.seconds),
         tensors_by_group={g: plan.weights_by_group[g] for g in rec.config.config_groups},
-        gptq=_gptq_summary(manifest, quantized, ckpt, plan, rec) if rec.gptq else None,
+        gptq=_gptq_summary(manifest, quantized, ckpt, plan, rec) if rec.calibration else None,
         skipped_files=list(ckpt.skipped_files),
         warnings=list(stats.warnings),
     )
@@ -196,7 +202,7 @@ def gptq_batches(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | No
     sequence per batch (llm-compressor oneshot's default, so Hessians sum in the same order)."""
     from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 
-    cal = rec.gptq.calibration
+    cal = rec.calibration
     data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
     limit = int(ckpt.config.get("max_position_embeddings") or cal.seq_len)
     if cal.seq_len > limit:
@@ -225,7 +231,8 @@ def _gptq_summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
         "rtn_reasons": dict(Counter(r.reason for r in records.values() if r.method == "rtn")),
         "expert_tokens": {m.removesuffix(".down_proj"): n for m, n in experts.items()},
         "layers": [vars(r) for r in quantized.layers] if quantized else [],
-        "settings": rec.gptq.model_dump(),
+        "algorithm": rec.algorithm,
+        "settings": (rec.gptq or rec.signround).model_dump(),
     }
 
 

@@ -68,6 +68,7 @@ class LayerReport:
     reused: bool = False
     phases: dict[str, float] = field(default_factory=dict)  # read, hessians, quantize, write, forward (seconds)
     peak_device_bytes: int = 0  # CUDA: the most memory allocated on the walk's device during the layer
+    method: str = "gptq"  # or signround (convert/signround.py): its loss is the layer's best block-output MSE
 
 
 @dataclass
@@ -131,8 +132,8 @@ def gptq_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict
 
 
 def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
-    """Identifies the calibration: the token ids and the GPTQ settings (a resumed run must use the same)."""
-    h = hashlib.sha256(recipe.gptq.model_dump_json().encode())
+    """Identifies the calibration: the token ids and the algorithm's settings (a resumed run must use the same)."""
+    h = hashlib.sha256((recipe.gptq or recipe.signround).model_dump_json().encode())
     for b in batches:
         h.update(json.dumps(list(b.shape)).encode())
         h.update(b.to(torch.int64).numpy().tobytes())

@@ -1,11 +1,11 @@
 """Recipes: llm-compressor's YAML format, read into compressed-tensors' config models.
 
-A recipe is the QuantizationModifier or GPTQModifier of an llm-compressor recipe
+A recipe is the QuantizationModifier, GPTQModifier or AutoRoundModifier of an llm-compressor recipe
 (``config_groups`` or ``scheme`` + ``targets``, ``ignore``, ``kv_cache_scheme``; GPTQ adds
-``block_size``, ``dampening_frac``, ``actorder``), so a user's existing recipe works. GPTQ needs
-calibration data, which llm-compressor takes from ``oneshot``'s arguments; a quantkit recipe
-carries it in a top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader
-passes over. We parse the YAML ourselves rather than import llm-compressor (seconds of import
+``block_size``, ``dampening_frac``, ``actorder``; AutoRound (SignRound) ``iters``, ``lr``,
+``batch_size``, ``enable_torch_compile``), so a user's existing recipe works. Both need calibration
+data, which llm-compressor takes from ``oneshot``'s arguments; a quantkit recipe carries it in a
+top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader passes over. We parse the YAML ourselves rather than import llm-compressor (seconds of import
 time for a dictionary walk), into formats/quant_config.py's models, which parse as compressed-tensors
 does without importing it; tests hold the result equal to llm-compressor's and compressed-tensors' own.
 """
@@ -30,9 +30,9 @@ from quantkit.formats.quant_config import (
 from quantkit.packaged import recipe_path
 from quantkit.yaml_file import load_yaml_with_bytes
 
-MODIFIERS = ("QuantizationModifier", "GPTQModifier")
+MODIFIERS = ("QuantizationModifier", "GPTQModifier", "AutoRoundModifier")
 # Modifiers quantkit does not implement: refused by name rather than silently read as RTN.
-UNSUPPORTED = ("AWQModifier", "SmoothQuantModifier", "AutoRoundModifier", "SparseGPTModifier")
+UNSUPPORTED = ("AWQModifier", "SmoothQuantModifier", "SparseGPTModifier")
 CALIBRATION_KEY = "quantkit_calibration"
 # GPTQModifier's algorithm fields quantkit reads (llm-compressor 0.14 modifiers/gptq/base.py); its
 # batched_quantization is accepted and ignored: quantkit sizes its own batches (convert/gptq.py).
@@ -67,6 +67,19 @@ class GPTQSettings(BaseModel):
     calibration: Calibration = Field(default_factory=Calibration)
 
 
+class SignRoundSettings(BaseModel):
+    """AutoRoundModifier's settings (llm-compressor 0.14 modifiers/autoround/base.py, its defaults): SignRound's
+    signed-gradient tuning of each weight's rounding and clipping on a decoder layer's output error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iters: int = Field(200, ge=0)
+    lr: float | None = Field(None, gt=0)
+    batch_size: int = Field(8, ge=1)
+    enable_torch_compile: bool = True
+    calibration: Calibration = Field(default_factory=Calibration)
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -74,12 +87,23 @@ class Recipe:
     config: QuantizationConfig  # status "initialized": the compressed form is built at save time
     path: Path | None = None
     gptq: GPTQSettings | None = None  # set when the recipe's modifier is a GPTQModifier
+    signround: SignRoundSettings | None = None  # set when it is an AutoRoundModifier
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration of a recipe that needs data (GPTQ, SignRound); None for round-to-nearest."""
+        settings = self.gptq or self.signround
+        return settings.calibration if settings is not None else None
+
+    @property
+    def algorithm(self) -> str:
+        return "gptq" if self.gptq else "signround" if self.signround else "rtn"
 
     def calibration_data(self) -> Path | None:
-        """The GPTQ calibration file: a relative path reads from the recipe's folder."""
-        if self.gptq is None or self.gptq.calibration.dataset is None:
+        """The calibration file: a relative path reads from the recipe's folder."""
+        if self.calibration is None or self.calibration.dataset is None:
             return None
-        data = Path(self.gptq.calibration.dataset).expanduser()
+        data = Path(self.calibration.dataset).expanduser()
         return data if data.is_absolute() or self.path is None else self.path.parent / data
 
     def groups_for(self, module: str, is_linear: bool) -> list[tuple[str, QuantizationScheme]]:
@@ -103,13 +127,17 @@ def load_recipe(recipe: str | Path) -> Recipe:
     calibration = doc.pop(CALIBRATION_KEY, None) if isinstance(doc, dict) else None
     kind, modifier = _find_modifier(doc, path)
     config = _build_config(modifier, path)
-    gptq = None
+    gptq = signround = None
     if kind == "GPTQModifier":
         gptq = _gptq_settings(modifier, calibration, path)
-        _check_gptq_schemes(config, path)
+        _check_calibrated_schemes(kind, config, path)
+    elif kind == "AutoRoundModifier":
+        signround = _signround_settings(modifier, calibration, path)
+        _check_calibrated_schemes(kind, config, path)
     elif calibration is not None:
-        raise QuantkitError(f"{CALIBRATION_KEY} is only read for a GPTQModifier recipe", path)
-    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=config, path=path, gptq=gptq)
+        raise QuantkitError(f"{CALIBRATION_KEY} is only read for a GPTQModifier or AutoRoundModifier recipe", path)
+    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=config, path=path, gptq=gptq,
+                  signround=signround)
 
 
 def _find_modifier(node, path: Path) -> tuple[str, dict]:
@@ -119,8 +147,8 @@ def _find_modifier(node, path: Path) -> tuple[str, dict]:
         if isinstance(n, dict):
             for key, value in n.items():
                 if key in UNSUPPORTED:
-                    raise QuantkitError(f"{key} is not implemented by quantkit (it applies QuantizationModifier "
-                                        "and GPTQModifier recipes)", path)
+                    raise QuantkitError(f"{key} is not implemented by quantkit (it applies QuantizationModifier, "
+                                        "GPTQModifier and AutoRoundModifier recipes)", path)
                 if key in MODIFIERS and isinstance(value, dict):
                     found.append((key, value))
                 else:
@@ -128,7 +156,8 @@ def _find_modifier(node, path: Path) -> tuple[str, dict]:
 
     walk(node)
     if len(found) != 1:
-        raise QuantkitError(f"expected exactly one QuantizationModifier or GPTQModifier, found {len(found)}", path)
+        raise QuantkitError(f"expected exactly one QuantizationModifier, GPTQModifier or AutoRoundModifier, found "
+                            f"{len(found)}", path)
     return found[0]
 
 
@@ -151,15 +180,28 @@ def _gptq_settings(modifier: dict, calibration, path: Path) -> GPTQSettings:
         raise QuantkitError(f"invalid GPTQModifier: {field_error(exc)}", path) from exc
 
 
-def _check_gptq_schemes(config: QuantizationConfig, path: Path) -> None:
-    """GPTQ here produces the INT4 pack-quantized format; an activation order in a group is refused like the modifier's."""
+def _signround_settings(modifier: dict, calibration, path: Path) -> SignRoundSettings:
+    fields = {k: modifier[k] for k in ("iters", "lr", "batch_size", "enable_torch_compile") if k in modifier}
+    try:
+        settings = Calibration.model_validate(calibration or {})
+    except ValidationError as exc:
+        raise QuantkitError(f"invalid {CALIBRATION_KEY}: {field_error(exc)}", path) from exc
+    try:
+        return SignRoundSettings(**fields, calibration=settings)
+    except ValidationError as exc:
+        raise QuantkitError(f"invalid AutoRoundModifier: {field_error(exc)}", path) from exc
+
+
+def _check_calibrated_schemes(kind: str, config: QuantizationConfig, path: Path) -> None:
+    """GPTQ and SignRound here produce the INT4 symmetric pack-quantized format; an activation order in a group is
+    refused like the modifier's."""
     for name, scheme in config.config_groups.items():
         w = scheme.weights
         if w is None or w.type != "int" or w.num_bits != 4 or not w.symmetric or w.strategy not in ("group", "channel"):
-            raise QuantkitError(f"GPTQModifier group {name}: quantkit's GPTQ writes INT4 symmetric group/channel "
-                                "weights only", path)
+            raise QuantkitError(f"{kind} group {name}: quantkit's GPTQ and SignRound write INT4 symmetric "
+                                "group/channel weights only", path)
         if w.actorder not in (None, "static"):
-            raise QuantkitError(f"GPTQModifier group {name}: actorder {w.actorder!r} is refused (it needs a g_idx)", path)
+            raise QuantkitError(f"{kind} group {name}: actorder {w.actorder!r} is refused (it needs a g_idx)", path)
         # The order is the modifier's processing detail (GPTQSettings.actorder); the written format is the
         # RTN path's, whose config carries no actorder.
         w.actorder = None

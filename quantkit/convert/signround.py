@@ -1,0 +1,226 @@
+"""SignRound (AutoRound) for a recipe's INT4 weights, streamed one decoder layer at a time from the source.
+
+Each decoder layer is run by llm-compressor's own AutoRoundModifier (which wraps auto-round), exactly as its
+sequential pipeline runs it on a whole model in memory: the layer's calibration inputs are captured by the
+modifier's hook while the unquantized layer computes the next layer's inputs (llm-compressor switches error
+propagation off for AutoRound: each layer sees the full-precision model's hidden states), then the modifier tunes
+the layer's rounding and clipping against its full-precision outputs, feeding it the previous layer's quantized
+outputs (``q_input``, which the modifier hands from layer to layer). The INT4 values are then taken from the tuned
+weights and scales with compressed-tensors' own ``quantize``, as llm-compressor does when it saves: the result
+equals llm-compressor's ``oneshot`` with the same recipe and tokens, bit for bit (tests/test_signround.py).
+
+Only one decoder layer is in memory. A finished layer's packed weights and scales go to
+``DST/.quantkit-gptq/layer-NNNNN.safetensors`` and into the manifest, with the quantized outputs that the next layer
+needs (``q-input-NNNNN.safetensors``, the last one kept: hidden states of every calibration sequence, fp32), so a
+killed run resumes at the first unfinished layer with the same bits. MoE experts, which transformers fuses into one
+module that is not a Linear, are out of AutoRound's reach: a recipe that targets them is refused (use GPTQ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
+from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.writer import work_folder, write_safetensors
+from quantkit.convert.gptq import _EXPERT, WORK_DIR, GPTQResult, LayerReport, _finished, _Phases, gptq_targets
+from quantkit.convert.tensor_plan import ConversionPlan
+from quantkit.errors import QuantkitError
+from quantkit.formats import int4
+from quantkit.formats.recipe import Recipe
+
+_LOSS = re.compile(r"loss iter 0: ([0-9.eE+-]+) -> iter \d+: ([0-9.eE+-]+)")
+
+
+def llmcompressor_autoround():
+    """llm-compressor's AutoRoundModifier and the pieces its sequential pipeline drives it with, imported with
+    stdout pointing at stderr (its logger binds the stdout of that moment) and its log off (quantkit reports
+    per layer itself)."""
+    import os
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        chosen = "LLM_COMPRESSOR_LOG_DISABLED" in os.environ
+        os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")
+        try:
+            from compressed_tensors.quantization.lifecycle.forward import quantize
+            from llmcompressor.core import State
+            from llmcompressor.modifiers.autoround import AutoRoundModifier
+            from llmcompressor.utils.helpers import DisableQuantization
+        except ImportError as exc:
+            raise QuantkitError(f"SignRound recipes need llm-compressor and auto-round ({exc}); "
+                                "pip install 'quantkit[gptq]'") from exc
+        finally:
+            if not chosen:
+                os.environ.pop("LLM_COMPRESSOR_LOG_DISABLED", None)
+    return AutoRoundModifier, State, DisableQuantization, quantize
+
+
+def check_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
+    """AutoRound tunes Linear modules; transformers fuses a layer's experts into one module that is not one."""
+    for layer in gptq_targets(ckpt, plan, recipe).values():
+        for t in layer:
+            if _EXPERT.match(t.rel):
+                raise QuantkitError(f"recipe {recipe.name}: SignRound reaches Linear modules only, and transformers "
+                                    "fuses MoE experts into one module: use a GPTQ recipe for experts", ckpt.root,
+                                    t.module)
+
+
+def run_signround(
+    ckpt: Checkpoint,
+    recipe: Recipe,
+    plan: ConversionPlan,
+    dst: Path,
+    manifest: Manifest,
+    batches: list[torch.Tensor],
+    devices: list[str],
+    on_layer: Callable[[LayerReport, int], None] | None = None,
+) -> GPTQResult:
+    """Tune every target layer with SignRound; finished layers recorded in ``manifest`` are kept."""
+    from quantkit.layerwise import LayerWalk
+
+    targets = gptq_targets(ckpt, plan, recipe)
+    work = work_folder(dst, WORK_DIR)
+    result = GPTQResult()
+    if not targets:
+        return result
+    device = devices[0]
+    walk = LayerWalk(ckpt, batches, device, attention="eager")  # llm-compressor calibrates with eager attention
+    last = max(targets)
+    q_input = None
+    tokens = sum(int(b.numel()) for b in batches)
+    with TensorReader(ckpt) as reader, _autoround_log() as losses:
+        for i in range(last + 1):
+            started = time.perf_counter()
+            phases = _Phases(device)
+            layer_targets = targets.get(i, [])
+            path = work / f"layer-{i:05d}.safetensors"
+            reused = bool(layer_targets) and _finished(path, manifest, i)
+            with phases("read"):
+                layer = walk.load(i, walk.read_layer(i, reader))
+            if layer_targets and not reused:
+                q_input = _restore_q_input(work, i, q_input)
+                packed, q_input = _tune_layer(walk, i, layer, layer_targets, recipe, q_input, device, phases)
+                phases.start("write")
+                loss = losses.pop() if losses else None
+                meta = {t.module: GPTQModuleRecord(method="signround", tokens=tokens, loss=loss).model_dump()
+                        for t in layer_targets}
+                written = write_safetensors(path, packed, {"format": "pt"})
+                _save_q_input(work, i, q_input)
+                manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
+                manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
+                manifest.save(dst)
+                (work / f"q-input-{i - 1:05d}.safetensors").unlink(missing_ok=True)
+                phases.stop()
+            elif i < last:  # the next layer's inputs: the full-precision model's, as llm-compressor's pipeline feeds
+                with phases("forward"):
+                    walk.run(i, layer)
+            walk.unload(i)
+            if layer_targets:
+                for t in layer_targets:
+                    result.files[t.module] = path
+                recs = [manifest.gptq_modules[t.module] for t in layer_targets]
+                report = LayerReport(i, time.perf_counter() - started, len(recs), recs[0].loss or 0.0, 0, reused,
+                                     phases.seconds, phases.peak(), method="signround")
+                result.layers.append(report)
+                if on_layer:
+                    on_layer(report, len(targets))
+    return result
+
+
+def _tune_layer(walk, i, layer, targets, recipe, q_input, device, phases):
+    """llm-compressor's AutoRoundModifier on one decoder layer, as its sequential pipeline calls it; returns the
+    targets' packed weights and scales and the layer's quantized outputs for the next layer."""
+    from quantkit.modeling import model_config
+
+    AutoRoundModifier, State, DisableQuantization, quantize = llmcompressor_autoround()
+    settings = recipe.signround
+    root = torch.nn.Module()  # the layer under its name in the whole model, which recipe targets and ignores match
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleDict({str(i): layer})
+    root.config, root.name_or_path = model_config(walk.ckpt.config), str(walk.ckpt.root)
+    groups = {name: scheme.model_dump(mode="json") for name, scheme in recipe.config.config_groups.items()}
+    modifier = AutoRoundModifier(config_groups=groups, ignore=list(recipe.config.ignore or []), iters=settings.iters,
+                                 lr=settings.lr, batch_size=settings.batch_size,
+                                 enable_torch_compile=settings.enable_torch_compile)
+    state = State(model=root)
+    with contextlib.redirect_stderr(io.StringIO()):  # the progress bars and warnings of the libraries it drives
+        modifier.on_initialize(state, sequential_targets=[type(layer).__name__])
+        modifier.on_calibration_start(state, None)
+        try:
+            with DisableQuantization(root):
+                with phases("capture"):
+                    walk.run(i, layer)  # the hook keeps the inputs; the outputs go on to the next layer
+                modifier._q_input = q_input
+                with phases("tune"), torch.enable_grad():
+                    modifier.on_sequential_epoch_end(state, None, modules=[layer])
+                q_input = modifier._q_input
+            packed = {}
+            for t in targets:
+                module = layer.get_submodule(t.rel)
+                scale = getattr(module, "weight_scale", None)
+                if scale is None:
+                    raise QuantkitError("AutoRound left this weight unquantized (its recipe group and quantkit's "
+                                        "plan disagree)", walk.ckpt.root, t.module)
+                q = quantize(x=module.weight, scale=scale, zero_point=getattr(module, "weight_zero_point", None),
+                             args=module.quantization_scheme.weights, dtype=torch.int8)
+                packed[f"{t.module}.weight_packed"] = int4.pack_int4(q).cpu()
+                packed[f"{t.module}.weight_scale"] = scale.detach().to(walk.dtype).cpu()
+        finally:
+            modifier.on_calibration_end(state, None)
+    return packed, q_input
+
+
+def _q_input_path(work: Path, i: int) -> Path:
+    return work / f"q-input-{i:05d}.safetensors"
+
+
+def _save_q_input(work: Path, i: int, q_input) -> None:
+    """The quantized outputs of layer ``i`` that layer ``i + 1``'s tuning starts from: what a resumed run needs."""
+    if q_input is not None:
+        write_safetensors(_q_input_path(work, i), {f"q_input.{k}": t.contiguous() for k, t in enumerate(q_input)},
+                          {"format": "pt"})
+
+
+def _restore_q_input(work: Path, i: int, q_input):
+    """On the first layer after a resume, the previous layer's quantized outputs from its file."""
+    if q_input is not None or i == 0:
+        return q_input
+    path = _q_input_path(work, i - 1)
+    if not path.is_file():
+        return None  # no layer before this one was tuned (they hold no targets)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(path))
+    return [stored[f"q_input.{k}"] for k in range(len(stored))]
+
+
+@contextmanager
+def _autoround_log():
+    """auto-round's log (its own handler on stderr) is quantkit's to report: its lines are held back and each
+    layer's block loss (the best of the tuning) is taken from them."""
+    logger = logging.getLogger("autoround")
+    losses: list[float] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            m = _LOSS.search(record.getMessage())
+            if m:
+                losses.append(float(m.group(2)))
+
+    saved, level = logger.handlers[:], logger.level
+    logger.handlers = [Capture()]
+    logger.setLevel(logging.INFO)
+    try:
+        yield losses
+    finally:
+        logger.handlers, logger.level = saved, level

@@ -1,0 +1,154 @@
+"""SignRound (AutoRound) recipes: streamed layer by layer, equal to llm-compressor's own oneshot to the bit,
+resumable after a kill, refused where AutoRound cannot reach (fused MoE experts)."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tree_bytes
+from helpers import add_word_tokenizer
+from safetensors.torch import load_file
+
+from quantkit.convert import convert
+from quantkit.errors import QuantkitError
+from quantkit.examples.synthetic import build_synthetic
+from quantkit.formats.recipe import load_recipe
+from quantkit.packaged import recipes_dir
+
+
+def signround_recipe(folder: Path, samples=4, seq_len=64, iters=4, batch_size=2, base="dense-mlp-w4a16-signround-g32",
+                     seed=0) -> Path:
+    """A built-in SignRound recipe shrunk for a test: a few tuning steps on a few random token sequences."""
+    data = folder / f"calibration-{seed}.jsonl"
+    gen = torch.Generator().manual_seed(seed)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (seq_len,), generator=gen).tolist()}) + "\n"
+                            for _ in range(samples)))
+    text = (recipes_dir() / f"{base}.yaml").read_text()
+    head, _, rest = text.partition("quantkit_calibration:\n")
+    body = rest[rest.index("quant_stage:"):].replace("iters: 200", f"iters: {iters}")
+    body = body.replace("batch_size: 8", f"batch_size: {batch_size}")
+    path = folder / f"{base}-small.yaml"
+    path.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {samples}\n  seq_len: {seq_len}\n{body}")
+    return path
+
+
+def peer_oneshot(model_dir: Path, recipe: Path, out: Path) -> dict[str, torch.Tensor]:
+    """llm-compressor's oneshot with the same recipe and token sequences, saved compressed; its tensors."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    rec = load_recipe(recipe)
+    cal = rec.signround.calibration
+    rows = [json.loads(line)["input_ids"] for line in Path(cal.dataset).read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    oneshot(model=model, dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * cal.seq_len] * len(rows)}),
+            recipe=str(recipe), num_calibration_samples=cal.samples, max_seq_length=cal.seq_len,
+            shuffle_calibration_samples=False, batch_size=1, pipeline="sequential")
+    model.save_pretrained(out, save_compressed=True)
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def llama(synthetic, tmp_path_factory):
+    """The synthetic Llama in BF16 with a tokenizer (llm-compressor's oneshot needs one)."""
+    root = tmp_path_factory.mktemp("signround")
+    model = build_synthetic("llama", root / "bf16", seed=1, fp8=False, num_hidden_layers=3)
+    return add_word_tokenizer(model)
+
+
+def test_weights_equal_llm_compressor_oneshot_autoround(llama, tmp_path):
+    recipe = signround_recipe(tmp_path)
+    result = convert(llama, tmp_path / "ours", recipe, device="cpu")
+    assert result.gptq["weights_by_method"] == {"signround": 9}
+    assert [r["method"] for r in result.gptq["layers"]] == ["signround"] * 3
+    assert all(r["loss"] > 0 and "tune" in r["phases"] for r in result.gptq["layers"])
+    mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
+    theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
+    quantized = [n for n in mine if n.endswith(("weight_packed", "weight_scale"))]
+    assert len(quantized) == 18
+    for name in quantized:
+        assert torch.equal(mine[name], theirs[name]), name
+    rtn = convert(llama, tmp_path / "rtn", "dense-mlp-w4a16-g32", device="cpu")
+    assert rtn.output_bytes == result.output_bytes  # the same format: SignRound changes values, not layout
+    manifest = json.loads((tmp_path / "ours" / "quantkit-manifest.json").read_text())
+    assert {r["method"] for r in manifest["gptq_modules"].values()} == {"signround"}
+
+
+def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path):
+    recipe = signround_recipe(tmp_path, iters=8)
+    convert(llama, tmp_path / "reference", recipe, device="cpu")
+    dst = tmp_path / "dst"
+    args = [sys.executable, "-m", "quantkit", "convert", str(llama), str(dst), "-r", str(recipe), "--device", "cpu",
+            "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads((dst / "quantkit-manifest.json").read_text())["gptq_layers"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.01)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the conversion ended before it could be killed"
+    assert any(dst.glob(".quantkit-gptq/q-input-*.safetensors"))  # what the next layer's tuning starts from
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    layers = json.loads(done.stdout)["gptq"]["layers"]
+    assert layers[0]["reused"] and not layers[-1]["reused"]
+    assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
+
+
+def test_moe_experts_and_asymmetric_groups_are_refused_before_anything_is_written(synthetic, tmp_path):
+    base = (recipes_dir() / "glm5-int4-experts-gptq-g32.yaml").read_text()
+    moe = tmp_path / "moe.yaml"
+    moe.write_text(base.replace("GPTQModifier:", "AutoRoundModifier:").replace("      block_size: 128\n", "")
+                   .replace("      dampening_frac: 0.01\n", "").replace("      actorder: static\n", ""))
+    with pytest.raises(QuantkitError, match="SignRound reaches Linear modules only"):
+        convert(synthetic["glm_moe_dsa"], tmp_path / "out", moe, device="cpu")
+    assert not (tmp_path / "out").exists()
+    asym = tmp_path / "asym.yaml"
+    asym.write_text((recipes_dir() / "dense-mlp-w4a16-signround-g32.yaml").read_text()
+                    .replace("symmetric: true", "symmetric: false"))
+    with pytest.raises(QuantkitError, match="AutoRoundModifier group mlp: .* symmetric"):
+        load_recipe(asym)
+
+
+def test_recipe_settings_are_the_modifiers(tmp_path):
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+    rec = load_recipe("dense-mlp-w4a16-signround-g32")
+    theirs = AutoRoundModifier(iters=200, batch_size=8, enable_torch_compile=False)
+    assert (rec.signround.iters, rec.signround.batch_size, rec.signround.lr) == (theirs.iters, theirs.batch_size,
+                                                                                   theirs.lr)
+    assert rec.algorithm == "signround" and rec.calibration.samples == 64
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      scheme: W4A16\n      "
+                    "targets: [Linear]\n")
+    default = load_recipe(bare).signround
+    peer = AutoRoundModifier(scheme="W4A16", targets=["Linear"])
+    assert (default.iters, default.batch_size, default.lr, default.enable_torch_compile) == (
+        peer.iters, peer.batch_size, peer.lr, peer.enable_torch_compile)
+
+
+@pytest.mark.slow
+def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path):
+    """The real model, all 30 layers (a few tuning steps on a few sequences keep it to minutes on a CPU)."""
+    recipe = signround_recipe(tmp_path, samples=4, seq_len=64, iters=2, batch_size=2)
+    model = tmp_path / "smollm2"
+    shutil.copytree(smollm2_bf16, model)
+    convert(model, tmp_path / "ours", recipe, device="cpu")
+    mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
+    theirs = peer_oneshot(model, recipe, tmp_path / "peer")
+    quantized = [n for n in mine if n.endswith(("weight_packed", "weight_scale"))]
+    assert len(quantized) == 180
+    different = [n for n in quantized if not torch.equal(mine[n], theirs[n])]
+    assert not different, different[:5]
