@@ -209,7 +209,8 @@ def convert_cmd(
         out.print(f"  [yellow]warning[/]: {_t(warning)}", highlight=False)
     if result.gptq:
         methods = ", ".join(f"{k} {v}" for k, v in result.gptq["weights_by_method"].items())
-        out.print(f"  GPTQ: {methods} weight(s); details per weight in DST's quantkit-manifest.json", highlight=False)
+        out.print(f"  {result.gptq['algorithm']}: {methods} weight(s); details per weight in DST's "
+                  "quantkit-manifest.json", highlight=False)
         for reason, n in result.gptq["rtn_reasons"].items():
             out.print(f"  round-to-nearest: {n} x {_t(reason)}", highlight=False)
         if result.gptq["rtn_outside_calibration"]:
@@ -233,7 +234,8 @@ class _GPTQLayerLog:
             eta = f", ETA {(layers - self.seen) * sum(self.times) / len(self.times) / 60:.1f} min"
         state = "kept from the interrupted run" if report.reused else f"{report.seconds:.1f}s, loss {report.loss:.4g}"
         rtn = f", {report.rtn} weight(s) RTN" if report.rtn else ""
-        err.print(f"GPTQ layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{eta}", highlight=False)
+        name = {"gptq": "GPTQ", "signround": "SignRound"}.get(report.method, report.method)
+        err.print(f"{name} layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{eta}", highlight=False)
 
 
 @command("calibrate-kv")
@@ -340,6 +342,38 @@ def plan_cmd(
             out.print(f"  FP8 KV scales: {_t(pool.kv_scales)}", highlight=False, soft_wrap=True)
     if report.chart:
         out.print(f"chart: {_t(report.chart)}")
+
+
+@command("budget")
+def budget_cmd(
+    src: Annotated[Path, typer.Argument(help="The source checkpoint (never modified).")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="The round-to-nearest recipe whose INT4 groups may change format.")],
+    size: Annotated[str, typer.Option("--budget", help="Largest output: a size (421GB, 512MiB) or a fraction of the source's bytes (0.6).")],
+    recipe_out: Annotated[Path, typer.Option("--out", help="Where the chosen recipe is written (YAML).")],
+    data: Annotated[Optional[Path], typer.Option(help="Calibration text (.jsonl or .txt); default: built-in GSM8K-train text.")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Sequences the sensitivity is measured on.")] = 8,
+    seq_len: Annotated[int, typer.Option(min=8, help="Tokens per sequence.")] = 256,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure each INT4 group's sensitivity and write the recipe that fits a size budget with the least damage."""
+    from quantkit.budget import budget
+
+    result = budget(src, recipe=recipe, size=size, out=recipe_out, data=data, samples=samples, seq_len=seq_len,
+                    device=device)
+    if json_out:
+        _emit_json(result)
+        return
+    table = Table("group", *(o for o in ("int4-g128", "int4-g32", "fp8") if any(o in g.kl for g in result.groups)),
+                  "chosen")
+    options = [c.header for c in table.columns[1:-1]]
+    for g in result.groups:
+        table.add_row(_t(g.name), *(f"{g.kl[o]:.5f}" if o in g.kl else "-" for o in options), g.choice)
+    out.print(table)
+    out.print(f"KL per token with each group alone in each format (nats), on {result.samples} x {result.seq_len} tokens")
+    out.print(f"[green]wrote[/] {_t(result.recipe)}: predicted {_gib(result.predicted_bytes)} for a budget of "
+              f"{_gib(result.budget_bytes)} (source {_gib(result.source_bytes)}); {result.int4_share:.0%} of the "
+              f"groups' weights in INT4; predicted damage {result.predicted_kl:.4f} nats per token")
 
 
 @command("eval")

@@ -1,0 +1,324 @@
+"""``budget``: the most accuracy a size buys. Each group of weights a base recipe quantizes is measured for how much
+the model's output moves when that group alone takes each format, then a format is chosen per group to fit a size
+budget with the least total damage, and the choice is written as an ordinary recipe a person can review.
+
+Groups are the base recipe's INT4 weights per decoder layer and component (one layer's MLP gate/up/down, its routed
+experts, its shared experts, its attention): the engines' kernels want the pieces of one fused module in one scheme.
+Options: INT4 group 128 and group 32 (where the group divides every input dimension), block-FP8, BF16.
+
+Sensitivity is measured, not predicted from weight error (the layer with the largest GPTQ loss need not matter, a
+late layer with a small one may): for every group and option, the mean per-token KL divergence of the model's
+next-token distribution from the source model's, on calibration tokens, with only that group in that option
+(one forward pass each, the whole model in memory). The choice is a multiple-choice knapsack, solved greedily on
+each group's lower convex hull of (bytes, KL): from every group's smallest option, the upgrade that removes the most
+KL per byte goes first, while the budget lasts. Sizes are the conversion plan's own, so the predicted size of the
+written recipe is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+OPTIONS = ("int4-g128", "int4-g32", "fp8", "bf16")
+MAX_PARAMS = 4_000_000_000  # the whole model is held in memory for the measurement
+_LAYER = re.compile(r"^model\.layers\.(\d{1,6})\.(.+)$")
+_COMPONENTS = (("experts", re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj$"), r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
+               ("shared experts", re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj$"),
+                r"mlp\.shared_experts\.(?:gate|up|down)_proj"),
+               ("mlp", re.compile(r"^mlp\.(gate|up|down)_proj$"), r"mlp\.(?:gate|up|down)_proj"),
+               ("attention", re.compile(r"^self_attn\..+$"), r"self_attn\.[^.]+(?:\.[^.]+)?"))
+
+
+@dataclass
+class Group:
+    name: str  # "layer 29 mlp"
+    pattern: str  # regex over module names (fullmatch)
+    modules: list[str]
+    shapes: list[tuple[int, int]]
+    kl: dict[str, float] = field(default_factory=dict)  # option -> measured mean per-token KL (nats)
+    bytes: dict[str, int] = field(default_factory=dict)  # option -> bytes of its weights in that option
+    choice: str = ""
+
+
+@dataclass
+class BudgetResult:
+    source: str
+    base_recipe: str
+    budget_bytes: int
+    source_bytes: int
+    predicted_bytes: int  # the written recipe's conversion, from the plan
+    smallest_bytes: int  # every group in its smallest option
+    predicted_kl: float  # the sum over groups of the chosen options' KL (the damage the choice minimizes)
+    recipe: str
+    samples: int
+    seq_len: int
+    groups: list[Group] = field(default_factory=list)
+    int4_share: float = 0.0  # share of the groups' weights left in INT4
+
+
+def option_bytes(option: str, shape: tuple[int, int]) -> int | None:
+    """Bytes one Linear weight takes on disk in ``option`` (None: the option does not fit its shape)."""
+    out, inn = shape
+    if option.startswith("int4"):
+        group = int(option.removeprefix("int4-g"))
+        if inn % group:
+            return None
+        return out * inn // 2 + out * (inn // group) * 2 + 16  # packed nibbles, bf16 scales, int64[2] weight_shape
+    if option == "fp8":
+        return out * inn + math.ceil(out / 128) * math.ceil(inn / 128) * 4  # fp32 scale per 128x128 block
+    return out * inn * 2
+
+
+def parse_budget(text: str, source_bytes: int) -> int:
+    """``421GB`` / ``512MiB`` / a byte count, or a fraction of the source's bytes (``0.6``)."""
+    from quantkit.convert import parse_size
+
+    if re.fullmatch(r"\s*(0?\.\d{1,15}|1(\.0*)?)\s*", text):
+        return int(float(text) * source_bytes)
+    return parse_size(text)  # a byte count or a size with its unit; anything else is refused there
+
+
+def budget(
+    source: str | os.PathLike,
+    *,
+    recipe: str,
+    size: str,
+    out: str | os.PathLike,
+    data: str | os.PathLike | None = None,
+    samples: int = 8,
+    seq_len: int = 256,
+    device: str = "auto",
+) -> BudgetResult:
+    """Measure the sensitivity of RECIPE's INT4 groups in SOURCE and write the recipe that fits SIZE with the least
+    damage to OUT (a YAML recipe; its measurements in a comment at its top)."""
+    from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
+    from quantkit.checkpoint.inspection import inspect_checkpoint
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.convert.tensor_plan import ActionKind, plan_conversion
+    from quantkit.devices import resolve_device
+    from quantkit.formats.recipe import load_recipe
+
+    src = Path(source)
+    ckpt = open_checkpoint(src)
+    base = load_recipe(recipe)
+    if base.calibration is not None:
+        raise QuantkitError(f"{base.name} is a {base.algorithm} recipe; the budget plans round-to-nearest formats "
+                            "(give its round-to-nearest counterpart)")
+    params = inspect_checkpoint(src).total_params
+    if params > MAX_PARAMS:
+        raise QuantkitError(f"{params:,} parameters: the budget measures each group on the whole model in memory, "
+                            f"for models up to {MAX_PARAMS:,}", src)
+    out_path = Path(out)
+    if out_path.exists() and not out_path.is_file():
+        raise QuantkitError("exists and is not a file", out_path)
+    plan = plan_conversion(ckpt, base, 5 * 10**9)
+    int4 = [a for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
+    groups = _groups(int4, ckpt)
+    if not groups:
+        raise QuantkitError(f"recipe {base.name} quantizes nothing to INT4 in this model", src)
+    budget_bytes = parse_budget(size, ckpt.total_bytes)
+    others = _file_bytes(plan) - sum(o.nbytes for a in int4 for o in a.outputs)  # headers and untouched tensors
+    smallest = others + sum(min(g.bytes.values()) for g in groups)
+    if budget_bytes < smallest:
+        raise QuantkitError(f"--budget {size} is {budget_bytes:,} bytes; the smallest this recipe's groups allow is "
+                            f"about {smallest:,} ({smallest / ckpt.total_bytes:.3f} of the source)")
+    dev = resolve_device(device)
+    data_path = Path(data) if data else DEFAULT_DATA
+    batches = calibration_batches(data_path, "text", samples, seq_len, 1, lambda: model_tokenizer(src),
+                                  ckpt.config.get("vocab_size"), require_all=True)
+    _measure(ckpt, groups, batches, dev)
+    room = budget_bytes - others
+    while True:  # the headers of the chosen formats differ a little from the base's: shrink the room until it fits
+        _choose(groups, room)
+        text = _recipe_text(base, groups, ckpt, budget_bytes)
+        written = _file_bytes(plan_conversion(ckpt, _recipe_from_text(text), 5 * 10**9))
+        if written <= budget_bytes or room <= smallest - others:
+            break
+        room -= written - budget_bytes
+    from quantkit.checkpoint.writer import write_bytes_atomic
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out_path, text.encode())
+    int4_weights = sum(math.prod(s) for g in groups if g.choice.startswith("int4") for s in g.shapes)
+    return BudgetResult(
+        source=str(src), base_recipe=base.name, budget_bytes=budget_bytes, source_bytes=ckpt.total_bytes,
+        predicted_bytes=written, smallest_bytes=smallest,
+        predicted_kl=sum(g.kl[g.choice] for g in groups), recipe=str(out_path), samples=samples, seq_len=seq_len,
+        groups=groups, int4_share=int4_weights / sum(math.prod(s) for g in groups for s in g.shapes))
+
+
+def _recipe_from_text(text: str):
+    """The recipe a YAML text describes, read as ``convert`` will read it from the file."""
+    import tempfile
+
+    from quantkit.formats.recipe import load_recipe
+
+    with tempfile.TemporaryDirectory(prefix="quantkit-budget-") as folder:
+        path = Path(folder) / "recipe.yaml"
+        path.write_text(text)
+        return load_recipe(path)
+
+
+def _file_bytes(plan) -> int:
+    """The shard files' sizes as convert will write them: the tensors and each file's header, exactly."""
+    from quantkit.checkpoint.writer import safetensors_header
+
+    return sum(s.nbytes + len(safetensors_header([(o.name, o.dtype, o.shape) for o in s.tensors], {"format": "pt"}))
+               for s in plan.shards)
+
+
+def _groups(actions, ckpt) -> list[Group]:
+    """The base recipe's INT4 weights gathered per decoder layer and component, in layer order."""
+    groups: dict[str, Group] = {}
+    for a in actions:
+        m = _LAYER.match(a.module)
+        name, pattern = a.module, re.escape(a.module)
+        if m:
+            for component, matcher, rel in _COMPONENTS:
+                if matcher.match(m.group(2)):
+                    name, pattern = f"layer {m.group(1)} {component}", rf"model\.layers\.{m.group(1)}\.{rel}"
+                    break
+        group = groups.setdefault(name, Group(name, pattern, [], []))
+        weight = ckpt.tensors.get(f"{a.module}.weight")
+        shape = tuple(weight.shape) if weight is not None else a.outputs[0].shape
+        group.modules.append(a.module)
+        group.shapes.append((int(shape[0]), int(shape[1])))
+    for group in groups.values():
+        for option in OPTIONS:
+            sizes = [option_bytes(option, s) for s in group.shapes]
+            if all(b is not None for b in sizes):
+                group.bytes[option] = sum(sizes)
+    return sorted(groups.values(), key=lambda g: _order(g.name))
+
+
+def _order(name: str) -> tuple:
+    m = re.match(r"^layer (\d+) (.+)$", name)
+    return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
+
+
+def _measure(ckpt, groups: list[Group], batches, device: str) -> None:
+    """Every group's KL in every option that fits it, with the rest of the model as the source holds it."""
+    import torch
+
+    from quantkit.checkpoint.config import fp8_block_size
+    from quantkit.formats import fp8_block, int4
+    from quantkit.modeling import load_model
+
+    model = load_model(ckpt.root, device=device)
+    block = fp8_block_size(ckpt.config)
+    with torch.no_grad():
+        reference = [torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)
+                     for b in batches]
+
+        def kl() -> float:
+            total, tokens = 0.0, 0
+            for b, ref in zip(batches, reference, strict=True):
+                logq = torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)
+                total += float((ref.exp() * (ref - logq)).sum())
+                tokens += b.numel()
+            return total / tokens
+
+        for group in groups:
+            try:
+                modules = [model.get_submodule(m) for m in group.modules]
+            except AttributeError:  # transformers fuses MoE experts into one module: no per-expert Linear
+                modules = []
+            if not modules or not all(isinstance(m, torch.nn.Linear) for m in modules):
+                raise QuantkitError(f"{group.name}: the budget measures Linear weights; this model keeps them fused "
+                                    "(MoE experts): not measured yet", ckpt.root, group.modules[0])
+            saved = [m.weight.data.clone() for m in modules]
+            stored_fp8 = tuple(block) == (128, 128) and all(
+                ckpt.tensors[f"{m}.weight"].dtype == "F8_E4M3" for m in group.modules if f"{m}.weight" in ckpt.tensors)
+            for option in group.bytes:
+                if option == "bf16" or (option == "fp8" and stored_fp8):
+                    group.kl[option] = 0.0  # the source's own values (block-FP8 kept as it is stored)
+                    continue
+                for m, w in zip(modules, saved, strict=True):
+                    if option == "fp8":
+                        q, s = fp8_block.quantize_fp8_block(w, block)
+                        m.weight.data = fp8_block.dequantize_fp8_block(q, s, block, w.dtype)
+                    else:
+                        m.weight.data = int4.fake_quantize_int4(w, int(option.removeprefix("int4-g")))
+                group.kl[option] = max(kl(), 0.0)
+            for m, w in zip(modules, saved, strict=True):
+                m.weight.data = w
+
+
+def _choose(groups: list[Group], room: int) -> None:
+    """A format per group within ``room`` bytes, least total KL: each group starts at its smallest option and climbs
+    its lower convex hull of (bytes, KL); the steepest step (KL removed per byte) of any group goes first."""
+    hulls = {id(g): _hull(g) for g in groups}
+    position = {id(g): 0 for g in groups}
+    spent = sum(hulls[id(g)][0][1] for g in groups)
+    while True:
+        best = None
+        for g in groups:
+            hull, at = hulls[id(g)], position[id(g)]
+            if at + 1 < len(hull):
+                (_, b0, k0), (_, b1, k1) = hull[at], hull[at + 1]
+                gain = (k0 - k1) / (b1 - b0)
+                if spent + b1 - b0 <= room and (best is None or gain > best[0]):
+                    best = (gain, g, b1 - b0)
+        if best is None or best[0] <= 0:
+            break
+        _, g, extra = best
+        position[id(g)] += 1
+        spent += extra
+    for g in groups:
+        g.choice = hulls[id(g)][position[id(g)]][0]
+
+
+def _hull(group: Group) -> list[tuple[str, int, float]]:
+    """The options on the lower convex hull of (bytes, KL), smallest first: an option that costs more bytes for no
+    less KL than a cheaper mix is never worth buying."""
+    points = sorted(((o, group.bytes[o], group.kl[o]) for o in group.bytes), key=lambda p: (p[1], p[2]))
+    hull: list[tuple[str, int, float]] = []
+    for p in points:
+        if hull and p[2] >= hull[-1][2]:
+            continue  # more bytes, no less damage
+        while len(hull) >= 2:
+            (_, b0, k0), (_, b1, k1) = hull[-2], hull[-1]
+            if (k0 - k1) * (p[1] - b1) <= (k1 - p[2]) * (b1 - b0):  # the middle point is above the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+_FP8_GROUP = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                          "block_structure": [128, 128], "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                                    "group_size": 128, "dynamic": True},
+              "output_activations": None, "format": "float-quantized"}
+
+
+def _int4_group(size: int) -> dict:
+    return {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": size,
+                        "dynamic": False}, "input_activations": None, "output_activations": None,
+            "format": "pack-quantized"}
+
+
+def _recipe_text(base, groups: list[Group], ckpt, budget_bytes: int) -> str:
+    """The chosen formats as a QuantizationModifier recipe (llm-compressor's format), the measurements on top."""
+    import yaml
+
+    config_groups = {}
+    for option, spec in (("int4-g32", _int4_group(32)), ("int4-g128", _int4_group(128)), ("fp8", _FP8_GROUP)):
+        chosen = [g.pattern for g in groups if g.choice == option]
+        if chosen:
+            config_groups[option.replace("-", "_")] = {"targets": [f"re:^(?:{'|'.join(chosen)})$"], **spec}
+    doc = {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {
+        "ignore": list(base.config.ignore or []), "config_groups": config_groups}}}}
+    lines = [f"# written by quantkit budget from {base.name} for {ckpt.root.name}: fits {budget_bytes:,} bytes",
+             "# group: chosen format; mean per-token KL (nats) with only this group in each format"]
+    for g in groups:
+        measured = ", ".join(f"{o} {g.kl[o]:.5f}" for o in g.bytes)
+        lines.append(f"#   {g.name}: {g.choice} ({measured})")
+    return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 16)

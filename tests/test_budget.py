@@ -1,0 +1,104 @@
+"""budget: each group's sensitivity measured on the model's output, formats chosen to fit a size with the least
+damage (the greedy choice checked against every combination), written as a recipe that convert takes."""
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import shard_of
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantkit.budget import Group, _choose, budget, option_bytes
+from quantkit.cli import app
+from quantkit.convert import convert
+from quantkit.errors import QuantkitError
+from quantkit.examples.synthetic import build_synthetic
+
+
+@pytest.fixture(scope="module")
+def sensitive_layer(tmp_path_factory):
+    """A BF16 synthetic Llama whose layer 2 MLP carries large outliers: INT4 hurts it most by far."""
+    root = tmp_path_factory.mktemp("budget")
+    src = build_synthetic("llama", root / "src", seed=4, fp8=False, num_hidden_layers=4)
+    for proj in ("gate", "up", "down"):
+        name = f"model.layers.2.mlp.{proj}_proj.weight"
+        shard = shard_of(src, name)
+        tensors = load_file(shard)
+        w = tensors[name].float()
+        w[:, ::7] *= 40  # one column in seven far larger than its group: INT4 loses the others' precision
+        tensors[name] = w.to(torch.bfloat16)
+        save_file(tensors, shard, {"format": "pt"})
+    data = root / "tokens.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (64,), generator=gen).tolist()}) + "\n"
+                            for _ in range(8)))
+    return src, data
+
+
+def test_the_most_sensitive_group_is_upgraded_first_and_the_recipe_converts(sensitive_layer, tmp_path):
+    src, data = sensitive_layer
+    rtn = convert(src, tmp_path / "rtn", "dense-mlp-w4a16-g32", device="cpu")
+    one_up = option_bytes("fp8", (512, 256)) * 2 + option_bytes("fp8", (256, 512)) - (
+        option_bytes("int4-g32", (512, 256)) * 2 + option_bytes("int4-g32", (256, 512)))
+    result = budget(src, recipe="dense-mlp-w4a16-g32", size=str(rtn.output_bytes + one_up), out=tmp_path / "r.yaml",
+                    data=data, samples=4, seq_len=64, device="cpu")
+    by_name = {g.name: g for g in result.groups}
+    assert list(by_name) == [f"layer {i} mlp" for i in range(4)]
+    kl = {name: g.kl["int4-g32"] for name, g in by_name.items()}
+    assert max(kl, key=kl.get) == "layer 2 mlp"  # measured, and it is the planted one
+    assert by_name["layer 2 mlp"].choice == "fp8"  # the one group worth its bytes; the others stay INT4 (g32 or g128)
+    assert all(g.choice.startswith("int4") for name, g in by_name.items() if name != "layer 2 mlp")
+    assert result.predicted_bytes <= result.budget_bytes and result.int4_share == 0.75
+    converted = convert(src, tmp_path / "mixed", tmp_path / "r.yaml", device="cpu")
+    assert converted.output_bytes == result.predicted_bytes  # the prediction is the plan: exact
+    config = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]
+    used = {g.choice.replace("-", "_") for g in result.groups}
+    assert config["format"] == "mixed-precision" and set(config["config_groups"]) == used
+    assert "# group: chosen format" in (tmp_path / "r.yaml").read_text()  # the measurements travel with it
+
+
+def test_a_budget_below_the_smallest_choice_is_refused_naming_it(sensitive_layer, tmp_path):
+    src, data = sensitive_layer
+    with pytest.raises(QuantkitError, match="the smallest this recipe's groups allow is"):
+        budget(src, recipe="dense-mlp-w4a16-g32", size="1MB", out=tmp_path / "r.yaml", data=data, samples=4,
+               seq_len=64, device="cpu")
+    with pytest.raises(QuantkitError, match="is a gptq recipe"):
+        budget(src, recipe="dense-mlp-w4a16-gptq-g32", size="0.9", out=tmp_path / "r.yaml", data=data,
+               device="cpu")
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def test_the_greedy_choice_is_within_one_step_of_the_best_combination():
+    rng = torch.Generator().manual_seed(1)
+    groups = []
+    for i in range(5):
+        size = 1000 + 100 * i
+        g = Group(f"layer {i} mlp", "", [], [])
+        kl4 = float(torch.rand(1, generator=rng)) * 0.05
+        g.bytes = {"int4-g32": size, "fp8": 2 * size, "bf16": 4 * size}
+        g.kl = {"int4-g32": kl4, "fp8": kl4 / 20, "bf16": 0.0}
+        groups.append(g)
+    for room in range(6000, 24000, 700):  # from every group at its smallest to every group in BF16
+        _choose(groups, room)
+        greedy = sum(g.kl[g.choice] for g in groups)
+        best = min(sum(g.kl[o] for g, o in zip(groups, combo))
+                   for combo in itertools.product(*(list(g.bytes) for g in groups))
+                   if sum(g.bytes[o] for g, o in zip(groups, combo)) <= room)
+        assert sum(g.bytes[g.choice] for g in groups) <= room
+        # the greedy takes the LP optimum's steps but the one it cannot afford whole: within one step of the best
+        step = max(g.kl[a] - g.kl[b] for g in groups for a, b in (("int4-g32", "fp8"), ("fp8", "bf16")))
+        assert best <= greedy <= best + step, (room, greedy, best)
+
+
+def test_cli_prints_the_table_and_writes_the_recipe(sensitive_layer, tmp_path):
+    src, data = sensitive_layer
+    model = tmp_path / "src"
+    shutil.copytree(src, model)
+    r = CliRunner().invoke(app, ["budget", str(model), "-r", "dense-mlp-w4a16-g32", "--budget", "0.99", "--out",
+                                 str(tmp_path / "r.yaml"), "--data", str(data), "--samples", "4", "--seq-len", "64",
+                                 "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "layer 2 mlp" in r.output and "wrote" in r.output
