@@ -111,3 +111,17 @@ def test_kill_9_then_resume_on_the_gpu_is_byte_identical(tmp_path):
     result = json.loads(done.stdout)
     assert result["devices"] == ["cuda:0"] and result["shards_reused"] >= 3
     assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
+
+
+def test_signround_and_budget_on_cuda(tmp_path):
+    from test_signround import signround_recipe
+
+    from quantkit.budget import budget
+
+    model = build_synthetic("llama", tmp_path / "bf16", seed=1, fp8=False, num_hidden_layers=3)
+    result = convert(model, tmp_path / "sr", signround_recipe(tmp_path), device="cuda")
+    assert result.gptq["weights_by_method"] == {"signround": 9} and result.devices == ["cuda:0"]
+    quantkit("verify", tmp_path / "sr", "--source", model)
+    plan = budget(model, recipe="dense-mlp-w4a16-g32", size="0.6", out=tmp_path / "b.yaml",
+                  data=tmp_path / "calibration-0.jsonl", samples=4, seq_len=64, device="cuda")
+    assert plan.predicted_bytes <= plan.budget_bytes and all(g.kl for g in plan.groups)
