@@ -171,9 +171,12 @@ def _tune_layer(walk, i, layer, targets, recipe, q_input, device, phases):
                 if scale is None:
                     raise QuantkitError("AutoRound left this weight unquantized (its recipe group and quantkit's "
                                         "plan disagree)", walk.ckpt.root, t.module)
-                q = quantize(x=module.weight, scale=scale, zero_point=getattr(module, "weight_zero_point", None),
+                zero = getattr(module, "weight_zero_point", None)
+                # on the host: AutoRound leaves scales there and weights on the GPU; one IEEE division either way
+                q = quantize(x=module.weight.detach().cpu(), scale=scale.detach().cpu(),
+                             zero_point=None if zero is None else zero.detach().cpu(),
                              args=module.quantization_scheme.weights, dtype=torch.int8)
-                packed[f"{t.module}.weight_packed"] = int4.pack_int4(q).cpu()
+                packed[f"{t.module}.weight_packed"] = int4.pack_int4(q)
                 packed[f"{t.module}.weight_scale"] = scale.detach().to(walk.dtype).cpu()
         finally:
             modifier.on_calibration_end(state, None)
