@@ -51,7 +51,7 @@ def perplexity(model_dir: Path, batches: list[torch.Tensor]) -> float:
 
 
 def mmlu_texts(path: Path) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]  # texts hold U+2028
     return [r["question"] + "\n" + "\n".join(f"{letter}. {c}" for letter, c in zip("ABCD", r["choices"]))
             for r in rows]
 
