@@ -288,6 +288,8 @@ def verify_cmd(
         out.print(f"[bold]{_t(report.path)}[/] for {_t(report.engine)} tp={report.tp}: checked {_t(checked)}")
         for note in report.notes:
             out.print(f"[yellow]not checked[/]: {_t(note)}", highlight=False)
+        for remark in report.remarks:
+            out.print(f"note: {_t(remark)}", highlight=False, soft_wrap=True)
         if report.worst:
             worst = report.worst[0]
             out.print(f"worst tensor: {_t(worst.tensor)} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")

@@ -14,7 +14,7 @@ import torch
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.errors import QuantkitError
 
-_NOT_WEIGHTS = ("weight_scale_inv", "weight_scale", "weight_shape", "k_scale", "v_scale")
+_NOT_WEIGHTS = ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "k_scale", "v_scale")
 
 
 class _Captured(Exception):

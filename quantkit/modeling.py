@@ -38,6 +38,8 @@ def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torc
     if f"{module}.weight_packed" in names:
         parts = (reader.read(f"{module}.weight_packed").to(device), reader.read(f"{module}.weight_scale").to(device),
                  reader.read(f"{module}.weight_shape").tolist())
+        if f"{module}.weight_zero_point" in names:
+            parts += (reader.read(f"{module}.weight_zero_point").to(device),)
         return decode_weight("int4_packed", parts, dtype)
     name = f"{module}.weight"
     t = reader.read(name).to(device)
@@ -57,7 +59,7 @@ def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -
     with TensorReader(ckpt) as reader:
         for name in ckpt.tensors:
             module, _, param = name.rpartition(".")
-            if param in ("weight_scale_inv", "weight_scale", "weight_shape"):
+            if param in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point"):
                 continue
             if param in ("weight", "weight_packed"):
                 out[f"{module}.weight"] = read_weight(ckpt, reader, module, dtype)
@@ -77,7 +79,7 @@ def meta_structure_mismatches(ckpt: Checkpoint) -> list[str]:
     shapes: dict[str, tuple[int, ...]] = {}
     for name, info in ckpt.tensors.items():
         module, _, param = name.rpartition(".")
-        if param in ("weight_scale_inv", "weight_scale", "weight_shape") or is_mtp(name, ckpt.config):
+        if param in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point") or is_mtp(name, ckpt.config):
             continue
         if param == "weight_packed":
             shapes[f"{module}.weight"] = (info.shape[0], info.shape[1] * 8)

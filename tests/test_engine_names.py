@@ -139,6 +139,10 @@ def converted(synthetic, tmp_path_factory):
     # experts INT4, everything else kept block-FP8 (the indexer's wk too): the loaders' FP8 paths
     convert(synthetic["glm_moe_dsa"], root / "glm_moe_dsa-fp8", "glm5-int4-experts-g128-fp8", device="cpu")
     out["glm_moe_dsa-fp8"] = root / "glm_moe_dsa-fp8"
+    # asymmetric INT4: every packed weight has a weight_zero_point, which the loaders must place beside it
+    convert(synthetic["glm_moe_dsa"], root / "glm_moe_dsa-asym", "glm5-int4-experts-asym-g32", device="cpu")
+    convert(synthetic["llama"], root / "llama-asym", "dense-mlp-w4a16-asym-g32", device="cpu")
+    out["glm_moe_dsa-asym"], out["llama-asym"] = root / "glm_moe_dsa-asym", root / "llama-asym"
     return out
 
 
@@ -152,7 +156,7 @@ def outputs(converted, tmp_path_factory):
     for family, src in converted.items():
         shutil.copytree(src, root / family)
         write_scales(open_checkpoint(root / family), root / family, {0: (0.01, 0.02), 1: (0.03, 0.04)},
-                     "gqa" if family == "llama" else "mla", copy=False)
+                     "gqa" if family.startswith("llama") else "mla", copy=False)
         out[family] = root / family
     return out
 
@@ -395,7 +399,7 @@ def _no_op(*args, **kwargs):
     return None
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm_moe_dsa-fp8", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm_moe_dsa-fp8", "glm_moe_dsa-asym", "deepseek_v3"])
 def test_sglang_deepseek_loader_puts_every_tensor_where_the_rules_say(sglang_wheel, outputs, family):
     """SGLang's own DeepseekV2WeightLoaderMixin.do_load_weights (and the helpers of its file, and
     FusedMoE.make_expert_params_mapping, get_layer_id, maybe_executor_submit from their files) over every tensor
@@ -459,7 +463,7 @@ def _vllm_autoloader_mapper(vllm_wheel, hf_to_vllm=None):
                                 "AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER", g))
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm_moe_dsa-fp8", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm_moe_dsa-fp8", "glm_moe_dsa-asym", "deepseek_v3"])
 def test_vllm_deepseek_loader_puts_every_tensor_where_the_rules_say(vllm_wheel, outputs, family):
     """vLLM's own path: DeepseekV2ForCausalLM.load_weights is an AutoWeightsLoader, which renames every name
     (above) and hands the model.* ones to DeepseekV2Model.load_weights - run here as vLLM's own code with its
@@ -522,9 +526,10 @@ def test_vllm_deepseek_loader_puts_every_tensor_where_the_rules_say(vllm_wheel, 
     assert any("is not loaded" in w for w in warnings)
 
 
-def test_sglang_llama_loader_puts_every_tensor_where_the_rules_say(sglang_wheel, outputs):
+@pytest.mark.parametrize("family", ["llama", "llama-asym"])
+def test_sglang_llama_loader_puts_every_tensor_where_the_rules_say(sglang_wheel, outputs, family):
     """SGLang's own LlamaForCausalLM._legacy_load_weights and maybe_remap_kv_scale_name over quantkit's output."""
-    ckpt = open_checkpoint(outputs["llama"])
+    ckpt = open_checkpoint(outputs[family])
     expected = _expected(ckpt, "sglang")
     recorder = _Recorder({p for p in expected.values() if p})
     warnings = []
@@ -541,12 +546,13 @@ def test_sglang_llama_loader_puts_every_tensor_where_the_rules_say(sglang_wheel,
     assert warnings == []
 
 
-def test_vllm_llama_loader_maps_every_name_as_the_rules_say(vllm_wheel, outputs):
+@pytest.mark.parametrize("family", ["llama", "llama-asym"])
+def test_vllm_llama_loader_maps_every_name_as_the_rules_say(vllm_wheel, outputs, family):
     """vLLM's LlamaForCausalLM loads through an AutoWeightsLoader (renaming above, no model mapper), whose
     LlamaModel child loads through another with LlamaModel.hf_to_vllm_mapper (vllm/model_executor/models/llama.py:
     459-461): both renamings, built by vLLM's own code, over every name of quantkit's output."""
     outer, inner = _vllm_autoloader_mapper(vllm_wheel), _vllm_autoloader_mapper(vllm_wheel, "LlamaModel")
-    ckpt = open_checkpoint(outputs["llama"])
+    ckpt = open_checkpoint(outputs[family])
     names = sorted(ckpt.tensors) + ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.rotary_emb.inv_freq"]
     for name in names:
         mapped = outer.map_name(name)

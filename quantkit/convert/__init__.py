@@ -567,6 +567,14 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
     if kind == ActionKind.FP8_QUANTIZE:
         q, s = timed("quantize", fp8_block.quantize_fp8_block, w, plan.block)
         return to_host(**{weight_name: q, f"{m}.weight_scale": s})
+    if kind in (ActionKind.INT4, ActionKind.INT4_REQUANT) and not action.symmetric:
+        q, scale, zero = timed("quantize", int4.quantize_int4_asym, w, action.group_size)
+        packed, zero = timed("pack", lambda: (int4.pack_int4(q), int4.pack_zero_point(zero)))
+        return {
+            **to_host(**{f"{m}.weight_packed": packed, f"{m}.weight_scale": scale}),
+            f"{m}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+            **to_host(**{f"{m}.weight_zero_point": zero}),
+        }
     if kind in (ActionKind.INT4, ActionKind.INT4_REQUANT):
         q, scale = timed("quantize", int4.quantize_int4, w, action.group_size)
         packed = timed("pack", int4.pack_int4, q)

@@ -67,6 +67,7 @@ class Action:
     group_size: int | None = None
     source_group_size: int | None = None
     source_bytes: int = 0
+    symmetric: bool = True  # INT4 outputs: False adds weight_zero_point (compressed-tensors' asymmetric scheme)
 
 
 @dataclass
@@ -222,7 +223,9 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
     _check_linear(weight, ckpt)
     if _is_int4_group(scheme):
         gs = _group_size(scheme, weight, ckpt, recipe)
-        return Action(ActionKind.INT4, module, sources, _int4_outputs(module, weight.shape, gs, dtype), encoding, group, gs)
+        sym = scheme.weights.symmetric
+        return Action(ActionKind.INT4, module, sources, _int4_outputs(module, weight.shape, gs, dtype, sym), encoding,
+                      group, gs, symmetric=sym)
     if _is_fp8_block(scheme):
         if tuple(scheme.weights.block_structure) != tuple(block):
             raise QuantkitError(
@@ -238,7 +241,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
         kind = ActionKind.FP8_KEEP if encoding == "fp8_block" else ActionKind.FP8_QUANTIZE
         return Action(kind, module, sources, outputs, encoding, group)
     raise QuantkitError(
-        f"recipe group {group}: only INT4 symmetric group/channel and FP8 block schemes are supported",
+        f"recipe group {group}: only INT4 group/channel and FP8 block schemes are supported",
         where(weight),
         weight.name,
     )
@@ -282,8 +285,9 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     problem = check_group_size(out_shape[1], gs)
     if problem:
         raise QuantkitError(problem, path, packed.name)
-    return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype), "int4_packed", group, gs, src_gs
-    )
+    sym = scheme.weights.symmetric
+    return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype, sym),
+                  "int4_packed", group, gs, src_gs, symmetric=sym)
 
 
 def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: str) -> tuple[str, QuantizationScheme] | None:
@@ -296,13 +300,14 @@ def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: st
     return matches[0] if matches else None
 
 
-def _int4_outputs(module: str, shape, gs: int, dtype: str) -> tuple[OutputTensor, ...]:
+def _int4_outputs(module: str, shape, gs: int, dtype: str, symmetric: bool = True) -> tuple[OutputTensor, ...]:
     out, inn = shape
+    zero_point = () if symmetric else (OutputTensor(f"{module}.weight_zero_point", "I32", ((out + 7) // 8, inn // gs)),)
     return (
         OutputTensor(f"{module}.weight_packed", "I32", (out, inn // 8)),
         OutputTensor(f"{module}.weight_scale", dtype, (out, inn // gs)),
         OutputTensor(f"{module}.weight_shape", "I64", (2,)),
-    )
+    ) + zero_point
 
 
 def _check_linear(weight: TensorInfo, ckpt: Checkpoint) -> None:
@@ -320,7 +325,6 @@ def _is_int4_group(scheme: QuantizationScheme) -> bool:
         w is not None
         and w.type == "int"
         and w.num_bits == 4
-        and w.symmetric
         and w.strategy in ("group", "channel")
         and not w.actorder
         and scheme.input_activations is None

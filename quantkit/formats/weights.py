@@ -19,17 +19,19 @@ def decode_weight(encoding: str, parts: tuple[torch.Tensor, ...], dtype: torch.d
     """The weight in ``dtype`` from its stored ``parts``:
 
     - ``fp8_block``: (fp8 weight, scale) with the scale per ``block``: bf16(fp32(w) * scale), one rounding;
-    - ``int4_packed``: (int32 packed, scale, [out, in]): q * scale in the scale's dtype, then ``dtype``;
+    - ``int4_packed``: (int32 packed, scale, [out, in][, packed zero point]): (q - zero point) * scale in the
+      scale's dtype, then ``dtype``;
     - ``float``: (weight,) cast to ``dtype``.
     """
     if encoding == "fp8_block":
         weight, scale = parts
         return fp8_block.dequantize_fp8_block(weight, scale, block, dtype)
     if encoding == "int4_packed":
-        packed, scale, shape = parts
+        packed, scale, shape, *zero = parts
         out_features, in_features = (int(d) for d in shape)
         q = int4.unpack_int4(packed, (out_features, in_features))
-        return int4.dequantize_int4(q, scale, in_features // scale.shape[1]).to(dtype)
+        zp = int4.unpack_zero_point(zero[0], out_features) if zero else None
+        return int4.dequantize_int4(q, scale, in_features // scale.shape[1], zp).to(dtype)
     if encoding == "float":
         (weight,) = parts
         return weight.to(dtype=dtype)

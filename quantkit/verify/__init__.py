@@ -72,6 +72,7 @@ class VerifyReport:
     checked: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
     seconds: float = 0.0
+    remarks: list[str] = field(default_factory=list)  # what the engine does with what passed (read in its source)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ def verify(
 
     stored = _stored_modules(ckpt, findings)
     checked["modules"] = len(stored)
+    remarks = [f"asymmetric INT4: {rules.asymmetric}"] if any(n.endswith(".weight_zero_point") for n in ckpt.tensors) \
+        else []
     findings += _structure(ckpt, stored)
     findings += _engine(ckpt, stored, rules, tp)
     findings += _names_load(ckpt, rules.name, checked, notes)
@@ -134,6 +137,7 @@ def verify(
         checked=dict(checked),
         notes=notes,
         seconds=time.perf_counter() - started,
+        remarks=remarks,
     )
 
 
@@ -168,6 +172,18 @@ def _stored_modules(ckpt: Checkpoint, findings: list[Finding]) -> dict[str, _Sto
                     continue
                 scheme = described.scheme_for(module, True) if described else None
                 channel = scheme is not None and scheme[1].weights.strategy == "channel"
+                zero = ckpt.tensors.get(f"{module}.weight_zero_point")
+                asymmetric = scheme is not None and not scheme[1].weights.symmetric
+                if asymmetric and zero is None:
+                    findings.append(Finding("structure", "an asymmetric group stores weight_zero_point",
+                                            "missing weight_zero_point", name, info.file))
+                    continue
+                if zero is not None and (not asymmetric or zero.dtype != "I32"
+                                         or tuple(zero.shape) != ((rows + 7) // 8, scale.shape[1])):
+                    findings.append(Finding("structure", "weight_zero_point is int32 [ceil(out/8), in/group_size] of "
+                                            "an asymmetric group", f"{zero.dtype}{list(zero.shape)}, group "
+                                            f"{'asymmetric' if asymmetric else 'symmetric'}", zero.name, zero.file))
+                    continue
                 out[module] = _Stored("int4", rows, cols, -1 if channel else cols // scale.shape[1])
                 if f"{module}.weight_g_idx" in ckpt.tensors:
                     findings.append(Finding("engine", "no g_idx (act-order) for MoE kernels", "weight_g_idx present", name, info.file))
@@ -210,10 +226,6 @@ def _engine(ckpt: Checkpoint, stored: dict[str, _Stored], rules: EngineRules, tp
     if qc.get("format") == "mixed-precision" and not rules.serves_mixed_precision:
         found.append(Finding("engine", f"{rules.name} serves one format per checkpoint",
                              "format mixed-precision (INT4 + FP8) is not confirmed to load on this engine"))
-    for group in (qc.get("config_groups") or {}).values():
-        weights = group.get("weights") or {}
-        if weights.get("type") == "int" and not weights.get("symmetric", True):
-            found.append(Finding("engine", "symmetric INT4 only", f"asymmetric group targeting {group.get('targets')}"))
     where = lambda module: ckpt.tensors[f"{module}.weight_packed"].file  # noqa: E731
     for module, s in stored.items():
         if s.kind != "int4":
@@ -316,7 +328,8 @@ def _not_the_source(src: Checkpoint, dst: Checkpoint) -> Finding | None:
 
 def _param_key(name: str) -> str:
     module, _, param = name.rpartition(".")
-    return module if param in ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_scale_inv") else name
+    return module if param in ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_scale_inv",
+                               "weight_zero_point") else name
 
 
 def _same_modules(src: Checkpoint, dst: Checkpoint) -> list[Finding]:

@@ -27,11 +27,23 @@ class EngineRules:
     group_sizes: frozenset[int]  # accepted INT4 group sizes; -1 means channel-wise
     marlin_k: int | None  # per-rank input dim must be a multiple of this (Marlin kernels), if any
     serves_mixed_precision: bool
+    asymmetric: str  # how its INT4 kernels take weight_zero_point (asymmetric groups), read in its source
 
 
 ENGINES = {
-    "sglang": EngineRules("sglang", frozenset({-1, 32, 64, 128}), None, serves_mixed_precision=False),
-    "vllm": EngineRules("vllm", frozenset({-1, 32, 64, 128}), 128, serves_mixed_precision=True),
+    "sglang": EngineRules(
+        "sglang", frozenset({-1, 32, 64, 128}), None, serves_mixed_precision=False,
+        asymmetric="SGLang 0.5.23 loads weight_zero_point for dense INT4 Linears (sglang/srt/layers/quantization/"
+                   "compressed_tensors/schemes/compressed_tensors_wNa16.py:165-196) and for MoE experts on its "
+                   "Marlin MoE path (compressed_tensors_wNa16_moe.py:192-216, 386-401, 440-441, 488-489), the CUDA "
+                   "default; --moe-runner-backend triton refuses asymmetric experts at load "
+                   "(compressed_tensors/compressed_tensors.py:931-936), and on ROCm only the Triton MoE path exists"),
+    "vllm": EngineRules(
+        "vllm", frozenset({-1, 32, 64, 128}), 128, serves_mixed_precision=True,
+        asymmetric="vLLM 0.33.0 loads weight_zero_point for dense INT4 Linears as uint4 with zero points (vllm/"
+                   "model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:50-56, "
+                   "98-110, 212-243) and for MoE experts (compressed_tensors_moe/compressed_tensors_moe_wna16.py:"
+                   "257-343)"),
 }
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from quantkit.kv.engine_names import SGLANG_VERSION, VLLM_VERSION
 
 # The suffixes a Linear's parameters carry across the formats quantkit reads and writes: unquantized,
-# block-FP8 (weight_scale_inv, or weight_scale in compressed-tensors), pack-quantized INT4.
-_LINEAR = r"(?P<p>weight|weight_scale_inv|weight_scale|weight_packed|weight_shape|bias)"
+# block-FP8 (weight_scale_inv, or weight_scale in compressed-tensors), pack-quantized INT4 (with weight_zero_point
+# when asymmetric).
+_LINEAR = r"(?P<p>weight|weight_scale_inv|weight_scale|weight_packed|weight_shape|weight_zero_point|bias)"
 _L = r"model\.layers\.(?P<layer>\d+)"
 _E = r"(?P<expert>\d+)"
 
