@@ -39,6 +39,13 @@ def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_b
     print(f"demo CI variant: gptq delta {arc['gptq']['delta']:+.2f} ({'pass' if gptq['passed'] else 'fail'}), "
           f"rtn {arc['rtn']['delta']:+.2f}")
 
+    # The budgeted mix: most MLPs INT4, the most sensitive ones kept block-FP8 by measurement; gated like the rest.
+    mixed = json.loads((work / "release-int4-budget" / "gate" / "verdict.json").read_text())
+    recipe = (work / "budget-recipe.yaml").read_text()
+    assert "# group: chosen format" in recipe and "int4_g32" in recipe and "fp8" in recipe
+    assert (work / "published" / "smollm2-135m-int4-budget-fp8kv").exists() == mixed["passed"]
+    print(f"demo CI variant: budget delta {mixed['tasks'][0]['delta']:+.2f} ({'pass' if mixed['passed'] else 'fail'})")
+
     # FP8 weights with a calibrated FP8 KV cache stay within noise: published, with a card that says so.
     fp8 = json.loads((work / "release-fp8" / "gate" / "verdict.json").read_text())
     assert fp8["passed"] and fp8["allowed_differences"] == ["engine.args.kv_cache_dtype: 'auto' vs 'fp8_e4m3'"]
