@@ -396,6 +396,8 @@ def eval_cmd(
     batch_size: BatchSizeOpt = 8,
     repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, the engine's own noise floor for gate.")] = 1,
     device: Annotated[str, typer.Option(help="hf: auto, cpu, cuda or cuda:N.")] = "auto",
+    order: Annotated[str, typer.Option(help="file, or seeded: each task's items in a fixed seeded order (sequential gating).")] = "file",
+    fraction: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="With --order seeded: the first share of each task's items (a sequential look).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
@@ -406,7 +408,8 @@ def eval_cmd(
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
                           kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
                           engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
-                          device=device, on_progress=on_progress, on_launch=_print_launch, repeat=repeat)
+                          device=device, order=order, fraction=fraction, on_progress=on_progress,
+                          on_launch=_print_launch, repeat=repeat)
     if json_out:
         _emit_json(result)
         return
@@ -434,7 +437,8 @@ def gate_cmd(
     noise: Annotated[Optional[Path], typer.Option(help="A second run of the baseline's model (A/A): the engine's noise floor [default: BASELINE/repeat-2 when present].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
-    """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare."""
+    """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare,
+    3 undecided at a sequential look before the last (evaluate the next look)."""
     from quantkit.release.gate import gate
     from quantkit.release.report import markdown
 
@@ -443,7 +447,7 @@ def gate_cmd(
         _emit_json(result)
     else:
         out.print(markdown(result), highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(0 if result.passed else 1)
+    raise typer.Exit({"pass": 0, "fail": 1, "continue": 3}[result.decision])
 
 
 @command("publish")
@@ -505,8 +509,8 @@ def demo_cmd(
     source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of fetching it.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Three gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 by
-    round-to-nearest, INT4 by GPTQ, and FP8."""
+    """Four gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 by
+    round-to-nearest, INT4 by GPTQ, a budgeted INT4/FP8 mix, and FP8."""
     from quantkit.examples.demo import demo
 
     def stage(name, record):

@@ -347,7 +347,7 @@ def test_version_and_the_demos_help_say_what_is_true():
     r = quantkit("--version")
     assert r.exit_code == 0 and r.output.strip() == f"quantkit {__version__}"
     r = quantkit("demo", "--help")
-    assert "Three gated releases" in " ".join(r.output.split())
+    assert "Four gated releases" in " ".join(r.output.split())
 
 
 def test_eval_and_gptq_print_nothing_from_libraries(synthetic, tmp_path):

@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.release.gate import CannotCompare, gate, paired_interval
+from quantkit.release.gate import CannotCompare, gate
+from quantkit.release.stats import paired_binary_interval
 
 
 def write_run(folder, outcomes: dict[str, list[int]], model="m", engine="hf", logprobs=None):
@@ -51,7 +52,7 @@ def test_interval_coverage_is_near_nominal():
     z, hits, trials = 1.959964, 0, 600
     for _ in range(trials):
         b, c = paired(n, p, down, up, rng)
-        _, lo, hi = paired_interval([100 * (y - x) for x, y in zip(b, c)], z)
+        _, lo, hi = paired_binary_interval(b, c, z)
         hits += lo <= true <= hi
     assert 0.92 <= hits / trials <= 0.98
 
@@ -63,7 +64,8 @@ def test_identical_runs_pass_and_a_three_point_drop_fails(tmp_path):
     a = write_run(tmp_path / "a", {"arc_easy": base}, model="base")
     same = write_run(tmp_path / "same", {"arc_easy": base}, model="cand")
     report = gate(a, same, s)
-    assert report.passed and report.tasks[0].delta == 0 and report.tasks[0].low == 0
+    assert report.passed and report.tasks[0].delta == 0 and -0.2 < report.tasks[0].low < 0  # nothing flipped: narrow,
+    # yet not of zero width (the Wald interval claimed [0, 0] here, whatever n)
     worse = base[:]
     ones = [i for i, v in enumerate(worse) if v]
     for i in rng.sample(ones, 90):  # 90 of 3000 items: a 3-point drop
@@ -87,11 +89,13 @@ def test_power_statement_and_continuous_signals(tmp_path):
     t = report.tasks[0]
     names = {sig.name for sig in t.signals}
     assert {"delta loglik of the correct answer", "choice flip rate", "KL(baseline || candidate) of choices"} <= names
-    # n items certify a margin of z * sqrt(discordance / n); 1 point needs z^2 * discordance / 0.01^2 items
+    # the power statement uses the verdict's own interval (Tango's at an even split of the flips): at large n close to
+    # the normal approximation z * sqrt(discordance / n), and 1 point needs about z^2 * discordance / 0.01^2 items
     z = 1.959964  # one task: no correction
-    assert t.certifiable_margin == pytest.approx(z * 100 * (t.flip_rate / 100 / t.n) ** 0.5, rel=1e-5)
-    assert t.items_for_margin == pytest.approx(z * z * (t.flip_rate / 100) * 1e4, rel=1e-3)
+    assert t.certifiable_margin == pytest.approx(z * 100 * (t.flip_rate / 100 / t.n) ** 0.5, rel=0.05)
+    assert t.items_for_margin == pytest.approx(z * z * (t.flip_rate / 100) * 1e4, rel=0.05)
     assert t.items_for_margin > t.n  # 1,000 items cannot certify 1 point at ~17 % discordance
+    assert "cannot certify a 1-point margin with 1,000 items" in t.note
     assert t.decided_by == ["accuracy", "loglik"]
 
 

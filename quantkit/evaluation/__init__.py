@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -36,6 +37,7 @@ from quantkit.evaluation.run_dir import (
     TaskScore,
     read_run_record,
     read_scores,
+    seeded_order,
     write_run_record,
     write_samples,
     write_scores,
@@ -67,6 +69,7 @@ TASKS = {
         "doc_to_target": "answer",
         "doc_to_choice": ["A", "B", "C", "D"],
         "metric": "acc",
+        "cluster": "subject",  # questions of one subject are not independent (gate.md, "Clusters")
     },
     "mmlu_pro": {
         "file": "mmlu_pro/test.jsonl",
@@ -75,6 +78,7 @@ TASKS = {
         "doc_to_target": "answer_index",
         "doc_to_choice": "{{options}}",
         "metric": "acc",
+        "cluster": "category",
     },
     "gsm8k": {
         "file": "gsm8k/test.jsonl",
@@ -105,9 +109,10 @@ TASK_DIR = "@TASK_DIR@"  # in a task YAML: the private folder its built data fil
 @dataclass(frozen=True)
 class TaskConfig:
     yaml: str | None  # the lm-eval task YAML; None: lm-eval's own (hub-backed) task
-    digest: str  # names the task by content: its YAML with the data's sha256 in place of the path
-    items: int | None
-    data: bytes | None = None  # a data file quantkit builds (needle_<N>k), written beside the YAML
+    digest: str  # names the task by content: its YAML with the original data's sha256 in place of the path
+    items: int | None  # items in the data
+    data: bytes | None = None  # a data file quantkit builds (needle_<N>k, a seeded order), written beside the YAML
+    order: str = "file"
 
 
 def task_spec(task: str) -> dict:
@@ -118,8 +123,10 @@ def task_spec(task: str) -> dict:
     return TASKS[task]
 
 
-def task_yaml(task: str, data_dir: Path | None, tokenizer=None) -> TaskConfig:
-    """The lm-eval YAML of a task over local data (or data quantkit builds), named by its content."""
+def task_yaml(task: str, data_dir: Path | None, tokenizer=None, order: str = "file") -> TaskConfig:
+    """The lm-eval YAML of a task over local data (or data quantkit builds), named by its content. ``seeded``: the
+    rows are handed to lm-eval in run_dir.seeded_order, each carrying its index in the data (``quantkit_item``), so a
+    limit takes a seeded prefix and every item keeps its id."""
     import yaml
 
     spec = task_spec(task)
@@ -158,11 +165,17 @@ def task_yaml(task: str, data_dir: Path | None, tokenizer=None) -> TaskConfig:
     items = sum(1 for line in raw.splitlines() if line.strip()) if is_needle_task(task) else \
         check_task_data(task, raw, data)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return TaskConfig(yaml.safe_dump(doc, sort_keys=False), digest, items, raw if is_needle_task(task) else None)
+    built = raw if is_needle_task(task) else None
+    if order == "seeded":
+        rows = [line for line in raw.splitlines() if line.strip()]
+        built = "".join(json.dumps(dict(json.loads(rows[i]), quantkit_item=i)) + "\n"
+                        for i in seeded_order(len(rows))).encode()
+        doc["dataset_kwargs"] = {"data_files": {"test": f"{TASK_DIR}/quantkit_{task}.jsonl"}}
+    return TaskConfig(yaml.safe_dump(doc, sort_keys=False), digest, items, built, order)
 
 
 def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Path,
-                 tokenizer=None) -> dict[str, TaskConfig]:
+                 tokenizer=None, order: str = "file") -> dict[str, TaskConfig]:
     """Each task's config: an lm-eval YAML over the local data (or lm-eval's own task without ``data_dir``);
     needle_<N>k tasks are built with the model's tokenizer."""
     _check_context(tasks, model)
@@ -172,18 +185,33 @@ def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Pa
     configs = {}
     for t in tasks:
         if is_needle_task(t):
-            configs[t] = task_yaml(t, None, tokenizer)
+            configs[t] = task_yaml(t, None, tokenizer, order)
         elif data_dir is None:
+            if order != "file":
+                raise QuantkitError(f"task {t}: a seeded order needs local data (--data-dir); lm-eval's own tasks "
+                                    "come in their file's order")
             configs[t] = TaskConfig(None, f"lm-eval builtin {t}", None)
         else:
-            configs[t] = task_yaml(t, Path(data_dir))
+            configs[t] = task_yaml(t, Path(data_dir), order=order)
     return configs
 
 
-def task_identities(configs: dict[str, TaskConfig], limit: int | None) -> dict[str, TaskIdentity]:
-    """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit, items scored."""
-    return {t: TaskIdentity(config_sha256=c.digest, num_fewshot=0, limit=limit,
-                            items=None if c.items is None else min(c.items, limit or c.items))
+def task_limits(configs: dict[str, TaskConfig], limit: int | None, fraction: float | None) -> dict[str, int | None]:
+    """Items each task evaluates: the first ``limit``, or the first ``fraction`` of its items (rounded up), or all."""
+    if fraction is None:
+        return {t: limit for t in configs}
+    return {t: None if c.items is None or fraction >= 1 else max(1, math.ceil(fraction * c.items))
+            for t, c in configs.items()}
+
+
+def task_identities(configs: dict[str, TaskConfig], limit: int | None,
+                    fraction: float | None = None) -> dict[str, TaskIdentity]:
+    """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit, items scored,
+    their order, how many the data holds, and the cluster key its records carry."""
+    limits = task_limits(configs, limit, fraction)
+    return {t: TaskIdentity(config_sha256=c.digest, num_fewshot=0, limit=limits[t],
+                            items=None if c.items is None else min(c.items, limits[t] or c.items),
+                            order=c.order, population=c.items, cluster_key=task_spec(t).get("cluster"))
             for t, c in configs.items()}
 
 
@@ -250,6 +278,8 @@ def evaluate(
     mem_fraction: float | None = None,
     health_timeout: float = 1800.0,
     device: str = "auto",
+    order: str = "file",
+    fraction: float | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     on_launch: Callable[[list[str]], None] | None = None,
     repeat: int = 1,
@@ -263,6 +293,8 @@ def evaluate(
     ``engine_cmd`` is executable configuration: it runs as given, and ``on_launch(argv)`` is told first.
     ``repeat=2`` runs everything again into RUN_DIR/repeat-2 with a request cache of its own: the engine's
     run-to-run noise, which ``gate`` uses as its floor. RUN_DIR is locked while the run writes into it.
+    ``order="seeded"`` evaluates each task's items in a fixed seeded order and ``fraction`` the first share of them
+    (a look of a sequential gate: a later, larger look answers the earlier items from the request cache).
     """
     started = time.perf_counter()
     if engine not in ENGINES:
@@ -276,9 +308,14 @@ def evaluate(
         task_spec(task)
     if kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
+    if order not in ("file", "seeded"):
+        raise QuantkitError(f"--order must be file or seeded, not {order!r}")
+    if fraction is not None and not (0 < fraction <= 1 and order == "seeded" and limit is None):
+        raise QuantkitError("--fraction takes a share of the items in (0, 1], with --order seeded and no --limit")
     path = Path(model)
     run = _Run(path, engine, tasks, data_dir, limit, kv_cache_dtype, batch_size, tp, ep, url, engine_cmd,
-               mem_fraction, health_timeout, device if engine == "hf" else None, on_progress, on_launch)
+               mem_fraction, health_timeout, device if engine == "hf" else None, on_progress, on_launch,
+               order=order, fraction=fraction)
     if engine == "hf":
         from quantkit.devices import resolve_device
         from quantkit.kv.hooks import kv_scales_of
@@ -288,7 +325,7 @@ def evaluate(
         if kv_cache_dtype == "fp8_e4m3" and not run.scales:
             raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first", path)
     run.tokenizer = _tokenizer(path)
-    run.configs = task_configs(tasks, data_dir, path, run.tokenizer)  # bad data is refused before RUN_DIR is touched
+    run.configs = task_configs(tasks, data_dir, path, run.tokenizer, order)  # bad data: refused before RUN_DIR exists
     run_dir = Path(out) if out else Path("runs") / path.name
     if run_dir.exists() and not run_dir.is_dir():
         raise QuantkitError("RUN_DIR exists and is not a folder", run_dir)
@@ -326,6 +363,8 @@ class _Run:
     device: str | None  # hf: the device the model runs on
     on_progress: Callable[[str, int, int], None] | None
     on_launch: Callable[[list[str]], None] | None
+    order: str = "file"
+    fraction: float | None = None
     scales: dict | None = None  # hf with FP8 KV: the checkpoint's calibrated scales
     tokenizer: object = None
     configs: dict[str, TaskConfig] = field(default_factory=dict)
@@ -363,7 +402,7 @@ def _evaluate_into(run: _Run, run_dir: Path, attempt: int) -> dict[str, TaskScor
         "model_checksums": model_checksums(path),
         "model_family": model_family(path),
         "lm_eval_version": lm_eval.__version__,
-        "tasks": task_identities(configs, run.limit),
+        "tasks": task_identities(configs, run.limit, run.fraction),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "chat_template_applied": False,
         "seeds": SEEDS,
@@ -405,12 +444,13 @@ def _evaluate_into(run: _Run, run_dir: Path, attempt: int) -> dict[str, TaskScor
         manager = TaskManager(include_path=str(task_folder)) if built else TaskManager()
         stack.enter_context(_no_environment_probe())
         cached = CachedLM(lm, cache)
+        limits = task_limits(configs, run.limit, run.fraction)
         scores = {}
         for task, name in zip(run.tasks, names):
             try:
                 result = lm_eval.simple_evaluate(
                     model=TaskProgress(cached, task, run.on_progress), tasks=[name], task_manager=manager,
-                    limit=run.limit, log_samples=True, **SEEDS)
+                    limit=limits[task], log_samples=True, **SEEDS)
             except (QuantkitError, KeyboardInterrupt):
                 raise
             except Exception as exc:
@@ -546,9 +586,13 @@ def _write_samples(run_dir: Path, task: str, rows: list[dict], results: dict, to
     score = TaskScore(score=100 * float(results[key]), n=len(rows),
                       stderr=100 * float(stderr) if isinstance(stderr, (int, float)) else 0.0)
     records = []
+    cluster = spec.get("cluster")
     for row in rows:
-        record = SampleRecord(item_id=f"{task}-{row['doc_id']}", prompt_hash=row["prompt_hash"],
-                              correct=int(row[metric] > 0), gold=row["target"] if isinstance(row["target"], int) else None)
+        doc = row.get("doc") or {}
+        index = doc.get("quantkit_item", row["doc_id"])  # a seeded order keeps each item's index in the data
+        record = SampleRecord(item_id=f"{task}-{index}", prompt_hash=row["prompt_hash"],
+                              correct=int(row[metric] > 0), gold=row["target"] if isinstance(row["target"], int) else None,
+                              cluster=str(doc[cluster]) if cluster and cluster in doc else None)
         if spec["output_type"] == "multiple_choice":
             record.choice_logprobs = [float(r[0]) for r in row["filtered_resps"]]
         else:
@@ -591,9 +635,15 @@ def _check_same_family(run_dir: Path, previous: RunRecord | None, provenance: di
 
 
 def _check_same_run(run_dir: Path, previous: RunRecord | None, record: RunRecord) -> None:
-    """A RUN_DIR resumes only the same run: cached requests of another model or setup would lie."""
+    """A RUN_DIR resumes only the same run: cached requests of another model or setup would lie. Seeded-order runs of
+    the same tasks may differ in how many items they take: a later look of a sequential gate extends an earlier one."""
     if previous is None:
         return
     for key in ("model", "model_checksums", "engine", "tasks"):
-        if getattr(previous, key) != getattr(record, key):
+        old, new = getattr(previous, key), getattr(record, key)
+        if key == "tasks" and set(old) == set(new) and all(
+                o.order == n.order == "seeded" for o, n in ((old[t], new[t]) for t in new)):
+            old = {t: v.model_copy(update={"limit": None, "items": None}) for t, v in old.items()}
+            new = {t: v.model_copy(update={"limit": None, "items": None}) for t, v in new.items()}
+        if old != new:
             raise QuantkitError(f"holds a run with a different {key}; use another --out", run_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,6 +22,14 @@ from quantkit.errors import CannotCompare, QuantkitError, field_error
 RUN_NAME = "run.json"
 RESULTS_NAME = "results.json"
 MAX_SAMPLE_FILE_BYTES = 1 << 30
+ORDER_SEED = 20140923  # the one seeded order of a task's items (sequential gating evaluates its prefixes)
+
+
+def seeded_order(population: int) -> list[int]:
+    """A task's items in the fixed seeded order: a look at a fraction of the items is a prefix of it."""
+    import numpy as np
+
+    return np.random.default_rng(ORDER_SEED).permutation(population).tolist()
 
 
 class _Strict(BaseModel):
@@ -31,7 +40,17 @@ class TaskIdentity(_Strict):
     config_sha256: str | None = None  # the task's YAML + data sha256; None for lm-eval's own tasks
     num_fewshot: int = 0
     limit: int | None = None
-    items: int | None = None  # items scored: the first `limit` of the data, or all of it
+    items: int | None = None  # items scored: the first `limit` of the data (in `order`), or all of it
+    order: Literal["file", "seeded"] = "file"  # seeded: the items in seeded_order(population)
+    population: int | None = None  # items in the task's data
+    cluster_key: str | None = None  # the data field each record's cluster is (MMLU: subject)
+
+    def item_ids(self, task: str, scored: int) -> set[str]:
+        """The item ids a run of this task holds: the first ``items`` in its order."""
+        count = self.items if self.items is not None else scored
+        if self.order == "seeded" and self.population is not None:
+            return {f"{task}-{i}" for i in seeded_order(self.population)[:count]}
+        return {f"{task}-{i}" for i in range(count)}
 
 
 class EngineRecord(_Strict):
@@ -66,6 +85,7 @@ class SampleRecord(_Strict):
     generated_tokens: int | None = Field(default=None, ge=0)
     hit_limit: bool | None = None
     repetition: float | None = Field(default=None, ge=0, le=1)
+    cluster: str | None = None  # the task's cluster key's value for this item (MMLU: its subject)
 
     @field_validator("choice_logprobs")
     @classmethod
@@ -97,8 +117,8 @@ def read_run_record(run_dir: Path) -> RunRecord:
         raise CannotCompare(f"invalid run record: {field_error(exc)}", path) from exc
 
 
-def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, SampleRecord]:
-    """One task's records by item id; ids must be unique and exactly ``task-0 .. task-(n-1)``."""
+def read_samples(run_dir: Path, task: str, identity: TaskIdentity) -> dict[str, SampleRecord]:
+    """One task's records by item id; ids must be unique and exactly the run's items (TaskIdentity.item_ids)."""
     path = run_dir / "samples" / f"{task}.jsonl"
     if not path.is_file():
         raise CannotCompare(f"task {task} has no samples file", path)
@@ -121,10 +141,11 @@ def read_samples(run_dir: Path, task: str, items: int | None) -> dict[str, Sampl
         rows[row.item_id] = row
     if not rows:
         raise CannotCompare(f"task {task} scored no items", path)
-    expected = {f"{task}-{i}" for i in range(items if items is not None else len(rows))}
+    expected = identity.item_ids(task, len(rows))
     if set(rows) != expected:
         odd = sorted(set(rows) ^ expected)[0]
-        raise CannotCompare(f"the items are not the task's first {len(expected)} ({odd} is missing or foreign)", path)
+        which = "seeded-order" if identity.order == "seeded" else "task's"
+        raise CannotCompare(f"the items are not the {which} first {len(expected)} ({odd} is missing or foreign)", path)
     return rows
 
 

@@ -225,12 +225,13 @@ def _release(config: ReleaseConfig, config_path: Path, work: Path, state: Releas
     cand_kv = ev.candidate_kv_cache_dtype or ("fp8_e4m3" if config.calibrate_kv else ev.kv_cache_dtype)
     result = ReleaseResult(str(config_path), str(work))
 
-    def run_eval(model: Path, out: Path, kv: str, repeat: int = 1):
+    def run_eval(model: Path, out: Path, kv: str, repeat: int = 1, fraction: float | None = None):
         from quantkit.evaluation import evaluate
 
         return evaluate(model, engine=ev.engine, tasks=ev.tasks, data_dir=data_dir, limit=ev.limit, kv_cache_dtype=kv,
                         out=out, batch_size=ev.batch_size, tp=ev.tp, ep=ev.ep, url=ev.url, engine_cmd=ev.engine_cmd,
                         mem_fraction=ev.mem_fraction, health_timeout=ev.health_timeout, device=ev.device,
+                        order="file" if fraction is None else "seeded", fraction=fraction,
                         on_progress=on_progress, on_launch=on_launch, repeat=repeat)
 
     def stage_plan():
@@ -293,7 +294,19 @@ def _release(config: ReleaseConfig, config_path: Path, work: Path, state: Releas
         return _scores(run_eval(source, baseline_run, ev.kv_cache_dtype, ev.repeat).scores)
 
     def stage_eval_candidate():
-        return _scores(run_eval(dst, candidate_run, cand_kv).scores)
+        from quantkit.release.gate import gate, load_suite
+
+        plan = load_suite(resolve(config.suite), config.margin).sequential
+        if plan is None:
+            return _scores(run_eval(dst, candidate_run, cand_kv).scores)
+        # sequential: the candidate's items in the seeded order, one look at a time, until the gate decides; each
+        # look answers the earlier looks' items from the run's request cache
+        for at, fraction in enumerate(plan.looks, 1):
+            done = run_eval(dst, candidate_run, cand_kv, fraction=fraction)
+            decision = gate(baseline_run, candidate_run, suite=resolve(config.suite), margin=config.margin).decision
+            if decision != "continue":
+                break
+        return f"look {at} of {len(plan.looks)} ({fraction:.0%} of the items, {decision}): {_scores(done.scores)}"
 
     def stage_gate():
         from quantkit.release.gate import gate
@@ -425,6 +438,6 @@ def _calibration_files(recipe: str, override: Path | None) -> list[Path]:
     from quantkit.formats.recipe import load_recipe
 
     rec = load_recipe(recipe)
-    if rec.gptq is None:
+    if rec.calibration is None:
         return []
     return [override or rec.calibration_data() or DEFAULT_DATA]

@@ -3,11 +3,11 @@ engine itself moves between two runs of the same model.
 
 - Output length: per item, the tokens each model generated (evaluation/generation.py). The estimate is the
   mean over items of the per-answer ratio (candidate + 1) / (baseline + 1), with a paired bootstrap interval
-  (items resampled). It fails when the whole interval lies above 1 + ``length_limit``: the candidate is
+  (items resampled, numpy). It fails when the whole interval lies above 1 + ``length_limit``: the candidate is
   shown to answer longer than the suite allows.
 - Runaway generations: items that hit the length limit or loop. The estimate is the paired difference of
-  the two runs' rates in points, with the same normal interval as accuracy; it fails when the whole
-  interval lies above ``runaway_margin``.
+  the two runs' rates in points, with the same interval as accuracy (Tango's, release/stats.py); it fails
+  when the whole interval lies above ``runaway_margin``.
 - Engine noise (A/A): a second run of the baseline's model (``eval --repeat 2``, or any run of the same
   model with another batch size) measures how many items flip with nothing changed. A candidate whose flip
   rate against the baseline is within that floor is "indistinguishable from engine noise"; a failing task
@@ -16,7 +16,6 @@ engine itself moves between two runs of the same model.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from statistics import median
 
@@ -25,6 +24,8 @@ from pydantic import BaseModel, ConfigDict
 from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.evaluation.generation import runaway
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record
+from quantkit.release.provenance import provenance_differences
+from quantkit.release.stats import bootstrap_interval, paired_binary_interval
 
 # A noise run is the baseline's model evaluated again: only these may differ from the baseline's run.
 NOISE_MAY_DIFFER = ("engine.args.batch_size",)
@@ -89,40 +90,25 @@ def length_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict[
     tc = [c[i].generated_tokens for i in ids]
     ratios = [(y + 1) / (x + 1) for x, y in zip(tb, tc)]  # per answer; +1: an empty answer has a ratio too
 
-    def mean_ratio(idx):
-        return sum(ratios[k] for k in idx) / len(idx)
-
-    low, high = paired_bootstrap(mean_ratio, len(ids), confidence, rounds, seed=task)
+    low, high = bootstrap_interval(ratios, confidence, rounds, seed=task)
     return BehaviourCheck(task=task, check="output length", n=len(ids), baseline=sum(tb) / len(ids),
-                          candidate=sum(tc) / len(ids), estimate=mean_ratio(range(len(ids))), low=low, high=high,
+                          candidate=sum(tc) / len(ids), estimate=sum(ratios) / len(ratios), low=low, high=high,
                           limit=1 + limit, unit="x tokens", passed=low <= 1 + limit, median_ratio=median(ratios),
                           baseline_tokens=tb, candidate_tokens=tc)
 
 
 def runaway_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict[str, SampleRecord], margin: float,
                   z: float) -> BehaviourCheck:
-    from quantkit.release.gate import paired_interval
-
-    rb = [float(runaway(b[i].hit_limit, b[i].repetition)) for i in ids]
-    rc = [float(runaway(c[i].hit_limit, c[i].repetition)) for i in ids]
-    delta, low, high = paired_interval([100 * (y - x) for x, y in zip(rb, rc)], z)
+    rb = [int(runaway(b[i].hit_limit, b[i].repetition)) for i in ids]
+    rc = [int(runaway(c[i].hit_limit, c[i].repetition)) for i in ids]
+    delta, low, high = paired_binary_interval(rb, rc, z)
     return BehaviourCheck(task=task, check="runaway generations", n=len(ids), baseline=100 * sum(rb) / len(ids),
                           candidate=100 * sum(rc) / len(ids), estimate=delta, low=low, high=high, limit=margin,
                           unit="points", passed=low <= margin)
 
 
-def paired_bootstrap(statistic, n: int, confidence: float, rounds: int, seed: str) -> tuple[float, float]:
-    """Percentile interval of ``statistic(indices)`` over ``rounds`` resamplings of the n paired items."""
-    rng = random.Random(f"quantkit-bootstrap-{seed}")
-    values = sorted(statistic([rng.randrange(n) for _ in range(n)]) for _ in range(rounds))
-    tail = (1 - confidence) / 2
-    return values[int(tail * (rounds - 1))], values[int((1 - tail) * (rounds - 1))]
-
-
 def read_noise_run(noise: Path, baseline: RunRecord) -> RunRecord:
     """The A/A run: the baseline's model, tasks and engine, at most another batch size."""
-    from quantkit.release.gate import provenance_differences
-
     record = read_run_record(noise)
     if record.model_checksums != baseline.model_checksums:
         raise CannotCompare("the noise run is not of the baseline's model (its files' checksums differ)", noise)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from statistics import NormalDist
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quantkit.errors import CannotCompare, QuantkitError, field_error
 from quantkit.evaluation import REPEAT_DIR
@@ -35,12 +36,20 @@ from quantkit.release.behaviour import (
     read_noise_run,
     runaway_check,
 )
+from quantkit.release.provenance import provenance_differences
+from quantkit.release.stats import (
+    certifiable_margin,
+    design_effect,
+    items_for_margin,
+    look_alphas,
+    paired_binary_interval,
+    t_interval,
+    z_of,
+)
 
-# Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
-MODEL_FIELDS = ("model", "model_checksums", "created", "server")
 DEFAULT_SUITE = "release"
 
-__all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_samples", "load_suite", "paired_interval"]
+__all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_samples", "load_suite"]
 
 
 class _Strict(BaseModel):
@@ -49,6 +58,21 @@ class _Strict(BaseModel):
 
 class TaskSpec(_Strict):
     margin: float | None = Field(default=None, ge=0, le=100)
+    cluster: str | None = None  # the run's cluster key (MMLU: subject): its items' variance is clustered
+
+
+class Sequential(_Strict):
+    """Looks at growing shares of the candidate's items, in the seeded order (eval --order seeded --fraction)."""
+
+    looks: list[float] = Field(default_factory=lambda: [0.25, 0.5, 1.0], min_length=1)
+    spending: Literal["obrien-fleming", "pocock"] = "obrien-fleming"
+
+    @field_validator("looks")
+    @classmethod
+    def _increasing_to_one(cls, looks):
+        if any(not 0 < t <= 1 for t in looks) or looks != sorted(set(looks)) or looks[-1] != 1:
+            raise ValueError("looks are increasing shares of the items in (0, 1], the last 1")
+        return looks
 
 
 class _SuiteRules(_Strict):
@@ -66,12 +90,14 @@ class _SuiteRules(_Strict):
     length_limit: float = Field(default=0.05, ge=0)
     runaway_margin: float = Field(default=1.0, ge=0, le=100)
     bootstrap_rounds: int = Field(default=2000, ge=100, le=100_000)
+    sequential: Sequential | None = None  # decide at the first look that certifies or refutes (release/stats.py)
 
 
 class Suite(_SuiteRules):
     """A suite: which tasks gate a release, each with its margin in accuracy points."""
 
     tasks: dict[str, float]  # task -> margin in accuracy points
+    clusters: dict[str, str] = Field(default_factory=dict)  # task -> the cluster key its variance is clustered by
 
 
 class _SuiteFile(_SuiteRules):
@@ -90,6 +116,8 @@ class Signal(_Strict):
 
 
 class TaskVerdict(_Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # verdict.json is strict JSON
+
     task: str
     n: int
     baseline: float  # accuracy, percent
@@ -107,10 +135,25 @@ class TaskVerdict(_Strict):
     # with an A/A run: whether the candidate's flip rate is within the engine's own (noise floor)
     engine_noise: Literal["indistinguishable from engine noise", "beyond engine noise"] | None = None
     regression: bool | None = None  # a failing task whose flips exceed the noise floor
+    design_effect: float = 1.0  # clustered items: the interval is widened by its square root
+    clusters: int | None = None
+    decision: Literal["pass", "fail", "continue"] = "fail"  # continue: undecided at a sequential look before the last
+    note: str | None = None  # why this n cannot certify the margin, when it cannot
+
+
+class SequentialLook(_Strict):
+    look: int  # 1-based
+    looks: int
+    fraction: float  # share of the items the candidate was evaluated on
+    items: int  # candidate items evaluated, over every task
+    population: int  # items the tasks hold
+    alpha: float  # one-sided alpha this look tests at, per task
 
 
 class GateReport(_Strict):
     """The verdict (verdict.json): what publish and the model card trust."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     baseline: str
     candidate: str
@@ -124,6 +167,8 @@ class GateReport(_Strict):
     noise_run: str | None = None  # the A/A run of the baseline's model
     noise: list[NoiseFloor] = Field(default_factory=list)
     report_files: list[str] = Field(default_factory=list)
+    decision: Literal["pass", "fail", "continue"] = "fail"
+    sequential: SequentialLook | None = None
 
 
 def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> Suite:
@@ -145,41 +190,15 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
             raise QuantkitError(f"invalid suite: {exc.message}", path) from exc
     tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
              for name, t in spec.tasks.items()}
-    return Suite(tasks=tasks, **spec.model_dump(exclude={"tasks", "margin"}))
+    clusters = {name: t.cluster for name, t in spec.tasks.items() if t and t.cluster}
+    return Suite(tasks=tasks, clusters=clusters, **spec.model_dump(exclude={"tasks", "margin"}))
 
 
 def load_samples(run_dir: Path, record: RunRecord, task: str) -> dict[str, SampleRecord]:
     """One task's records of a run, strictly validated against the run's item count."""
     if task not in record.tasks:
         raise CannotCompare(f"task {task} is not in this run", run_dir / "run.json")
-    return read_samples(run_dir, task, record.tasks[task].items)
-
-
-def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        if not prefix and key in MODEL_FIELDS:
-            continue
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            if va.get("name") != vb.get("name"):  # another engine: its settings differ as a matter of course
-                diffs.append(f"{prefix}{key}.name: {va.get('name')!r} vs {vb.get('name')!r}")
-                continue
-            diffs += provenance_differences(va, vb, f"{prefix}{key}.")
-        elif va != vb:
-            diffs.append(f"{prefix}{key}: {va!r} vs {vb!r}")
-    return diffs
-
-
-def paired_interval(diffs: list[float], z: float) -> tuple[float, float, float]:
-    """Mean of paired differences with a normal-approximation interval."""
-    n = len(diffs)
-    if n == 0:
-        raise ValueError("no paired items")
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    half = z * math.sqrt(var / n)
-    return mean, mean - half, mean + half
+    return read_samples(run_dir, task, record.tasks[task])
 
 
 def gate(
@@ -207,27 +226,32 @@ def gate(
     base_meta, cand_meta = base_record.model_dump(), cand_record.model_dump()
     all_diffs = provenance_differences(base_meta, cand_meta)
     allowed = [d for d in all_diffs if d.split(":", 1)[0] in spec.may_differ]
-    diffs = [d for d in all_diffs if d not in allowed]
+    looked = [d for d in all_diffs if spec.sequential and _LOOK_FIELD.match(d.split(":", 1)[0])]
+    diffs = [d for d in all_diffs if d not in allowed and d not in looked]
     if diffs:
         raise CannotCompare(f"runs differ in more than the model: {'; '.join(diffs[:5])}", candidate)
     k = len(spec.tasks)
-    alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha
-    z = NormalDist().inv_cdf(1 - alpha / 2)
+    alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha  # two-sided, per task
+    look = _look(spec, base_record, cand_record, alpha / 2, candidate) if spec.sequential else None
+    z = z_of(look.alpha if look else alpha / 2)
     if noise is None and (Path(baseline) / REPEAT_DIR / "run.json").is_file():
         noise = Path(baseline) / REPEAT_DIR
     noise_record = read_noise_run(Path(noise), base_record) if noise is not None else None
     verdicts, behaviour, floors = [], [], []
     for task, task_margin in spec.tasks.items():
         b, c = load_samples(Path(baseline), base_record, task), load_samples(Path(candidate), cand_record, task)
-        ids = _paired_items(task, b, c, candidate)
-        verdict = _task_verdict(task, ids, b, c, task_margin, z, spec)
+        ids = _paired_items(task, b, c, candidate, subset=spec.sequential is not None)
+        clusters = _clusters(task, spec, base_record, ids, b, baseline)
+        verdict = _task_verdict(task, ids, b, c, task_margin, z, spec, clusters)
+        verdict.decision = _decision(verdict, look)
+        verdict.passed = verdict.decision == "pass"
         if is_generative(task, b, c):
             # the behaviour checks decide generative tasks: a record without their fields would switch them off
             for run, rows in ((baseline, b), (candidate, c)):
                 if (item := missing_generation(rows)) is not None:
                     raise CannotCompare(f"task {task}: item {item} has no generation record (tokens, limit, "
                                         "repetition), which the behaviour checks need; re-run eval for this run", run)
-            behaviour += [length_check(task, ids, b, c, spec.length_limit, 1 - alpha, spec.bootstrap_rounds),
+            behaviour += [length_check(task, ids, b, c, spec.length_limit, 1 - 2 * z_tail(z), spec.bootstrap_rounds),
                           runaway_check(task, ids, b, c, spec.runaway_margin, z)]
         if noise_record is not None:
             again = load_samples(Path(noise), noise_record, task)
@@ -236,13 +260,14 @@ def gate(
             floors.append(floor)
             within = verdict.flip_rate <= floor.flip_rate
             verdict.engine_noise = "indistinguishable from engine noise" if within else "beyond engine noise"
-            verdict.regression = not verdict.passed and not within
+            verdict.regression = verdict.decision == "fail" and not within
         verdicts.append(verdict)
+    decision = _overall(verdicts, behaviour, look)
     report = GateReport(
         baseline=str(baseline),
         candidate=str(candidate),
-        passed=all(v.passed for v in verdicts) and all(check.passed for check in behaviour),
-        confidence=1 - alpha,
+        passed=decision == "pass",
+        confidence=1 - 2 * z_tail(z),
         correction=f"{spec.correction} over {k} tasks" if spec.correction == "bonferroni" else "none",
         tasks=verdicts,
         candidate_checksums=dict(cand_meta.get("model_checksums") or {}),
@@ -250,6 +275,8 @@ def gate(
         behaviour=behaviour,
         noise_run=str(noise) if noise is not None else None,
         noise=floors,
+        decision=decision,
+        sequential=look,
     )
     if report_dir is not None:
         from quantkit.release.report import write_gate_report
@@ -260,26 +287,101 @@ def gate(
     return report
 
 
-def _paired_items(task: str, b: dict[str, SampleRecord], c: dict[str, SampleRecord], other) -> list[str]:
-    """The items both runs scored, each prompted the same way."""
-    if set(b) != set(c):
+_LOOK_FIELD = re.compile(r"^tasks\.[^.]+\.(limit|items|order)$")  # what a sequential look changes in a run
+
+
+def z_tail(z: float) -> float:
+    return 1 - NormalDist().cdf(z)
+
+
+def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float, candidate) -> SequentialLook:
+    """Which look of the suite's plan the candidate's run is, and the alpha that look spends: every task's items are
+    the seeded-order prefix at one and the same look (eval --order seeded --fraction t)."""
+    plan = spec.sequential
+    index, items, population = None, 0, 0
+    for task in spec.tasks:
+        b, c = base.tasks.get(task), cand.tasks.get(task)
+        if b is None or c is None or c.population is None or c.items is None:
+            raise CannotCompare(f"task {task}: a sequential gate needs both runs to hold it with its item count",
+                                candidate)
+        if c.order != "seeded":
+            raise CannotCompare(f"task {task}: the candidate's items are in the file's order; a sequential gate looks "
+                                "at seeded-order prefixes (eval --order seeded --fraction)", candidate)
+        sizes = [math.ceil(t * c.population) for t in plan.looks]
+        if c.items not in sizes:
+            raise CannotCompare(f"task {task}: {c.items} items is none of the looks {sizes} of the suite's plan",
+                                candidate)
+        at = sizes.index(c.items)
+        if index is not None and at != index:
+            raise CannotCompare("the tasks were evaluated at different looks; evaluate them at one --fraction",
+                                candidate)
+        index, items, population = at, items + c.items, population + c.population
+    alphas = look_alphas(alpha_one_sided, plan.looks, plan.spending)
+    return SequentialLook(look=index + 1, looks=len(plan.looks), fraction=plan.looks[index], items=items,
+                          population=population, alpha=alphas[index])
+
+
+def _decision(verdict: TaskVerdict, look: SequentialLook | None) -> str:
+    """Pass when the interval's low end clears -margin; at a look before the last, fail only when its high end is
+    below -margin (inferiority shown), else continue to the next look."""
+    if verdict.passed:
+        return "pass"
+    if look is None or look.look == look.looks or verdict.high < -verdict.margin:
+        return "fail"
+    return "continue"
+
+
+def _overall(verdicts: list[TaskVerdict], behaviour: list[BehaviourCheck], look: SequentialLook | None) -> str:
+    if any(v.decision == "fail" for v in verdicts):
+        return "fail"
+    if any(v.decision == "continue" for v in verdicts):
+        return "continue"
+    if not all(check.passed for check in behaviour):
+        return "continue" if look is not None and look.look < look.looks else "fail"
+    return "pass"
+
+
+def _clusters(task: str, spec: Suite, record: RunRecord, ids: list[str], b: dict[str, SampleRecord],
+              baseline) -> list[str] | None:
+    """Each item's cluster, when the suite clusters the task: the runs must carry the key the suite names."""
+    key = spec.clusters.get(task)
+    if key is None:
+        return None
+    if record.tasks[task].cluster_key != key:
+        raise CannotCompare(f"task {task}: the suite clusters by {key!r}, the run's records carry "
+                            f"{record.tasks[task].cluster_key!r}; re-run eval", baseline)
+    missing = next((i for i in ids if b[i].cluster is None), None)
+    if missing is not None:
+        raise CannotCompare(f"task {task}: item {missing} has no cluster; re-run eval", baseline)
+    return [b[i].cluster for i in ids]
+
+
+def _paired_items(task: str, b: dict[str, SampleRecord], c: dict[str, SampleRecord], other,
+                  subset: bool = False) -> list[str]:
+    """The items both runs scored, each prompted the same way (``subset``: the candidate's, all of them in the
+    baseline, which may hold more: a sequential look)."""
+    if (set(c) - set(b)) if subset else (set(b) != set(c)):
         raise CannotCompare(f"task {task}: the runs scored different items ({len(set(b) ^ set(c))} differ)", other)
-    ids = sorted(b)
+    ids = sorted(c)
     for i in ids:
         if b[i].prompt_hash != c[i].prompt_hash:
             raise CannotCompare(f"task {task}: item {i} was prompted differently", other)
     return ids
 
 
-def _task_verdict(task, ids, b, c, margin, z, spec: Suite) -> TaskVerdict:
+def _task_verdict(task, ids, b, c, margin, z, spec: Suite, clusters: list[str] | None = None) -> TaskVerdict:
     decide_by = spec.decide_by
+    alpha = 2 * z_tail(z)
     n = len(ids)
-    acc_b = [float(b[i].correct) for i in ids]
-    acc_c = [float(c[i].correct) for i in ids]
-    delta, low, high = paired_interval([100 * (y - x) for x, y in zip(acc_b, acc_c)], z)
+    acc_b = [b[i].correct for i in ids]
+    acc_c = [c[i].correct for i in ids]
+    effect = design_effect([y - x for x, y in zip(acc_b, acc_c)], clusters) if clusters else 1.0
+    delta, low, high = paired_binary_interval(acc_b, acc_c, z, effect)
     discordant = sum(x != y for x, y in zip(acc_b, acc_c)) / n
-    certifiable = z * 100 * math.sqrt(discordant / n) if n else math.inf
-    needed = math.ceil(z * z * discordant * 1e4 / (margin * margin)) if margin > 0 else 0
+    certifiable = math.sqrt(effect) * certifiable_margin(n, discordant, z)
+    needed = items_for_margin(margin / math.sqrt(effect), discordant, z)
+    note = (f"cannot certify a {margin:g}-point margin with {n:,} items: at this discordance the interval alone "
+            f"reaches -{certifiable:.2f} (about {needed:,} items would)") if certifiable >= margin else None
     signals = []
     loglik_ok = True
     with_choices = [i for i in ids if b[i].choice_logprobs and b[i].gold is not None and c[i].choice_logprobs]
@@ -288,13 +390,13 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite) -> TaskVerdict:
             raise CannotCompare(f"task {task}: item {i} has other choices or another gold answer in the two runs")
     if with_choices:
         d_ll = [c[i].choice_logprobs[c[i].gold] - b[i].choice_logprobs[b[i].gold] for i in with_choices]
-        m, lo, hi = paired_interval(d_ll, z)
+        m, lo, hi = t_interval(d_ll, alpha)
         signals.append(Signal(name="delta loglik of the correct answer", estimate=m, low=lo, high=hi, unit="nats"))
         loglik_ok = lo > -spec.loglik_margin
         flips = sum(_argmax(b[i].choice_logprobs) != _argmax(c[i].choice_logprobs) for i in with_choices)
         signals.append(Signal(name="choice flip rate", estimate=100 * flips / len(with_choices), unit="%"))
         kls = [_kl(b[i].choice_logprobs, c[i].choice_logprobs) for i in with_choices]
-        m, lo, hi = paired_interval(kls, z)
+        m, lo, hi = t_interval(kls, alpha)
         signals.append(Signal(name="KL(baseline || candidate) of choices", estimate=m, low=lo, high=hi, unit="nats"))
     passed = True
     if "accuracy" in decide_by:
@@ -304,7 +406,8 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite) -> TaskVerdict:
     return TaskVerdict(
         task=task, n=n, baseline=100 * sum(acc_b) / n, candidate=100 * sum(acc_c) / n, delta=delta, low=low,
         high=high, margin=margin, passed=passed, flip_rate=100 * discordant, certifiable_margin=certifiable,
-        items_for_margin=needed, signals=signals, decided_by=list(decide_by),
+        items_for_margin=needed, signals=signals, decided_by=list(decide_by), design_effect=effect,
+        clusters=len(set(clusters)) if clusters else None, note=note,
     )
 
 

@@ -26,7 +26,7 @@ def forest_plot(report, path: Path) -> Path:
     ax.axvline(0, color="#999", lw=1)
     ax.set_yticks(range(len(tasks)), [f"{t.task} (n={t.n})" for t in reversed(tasks)])
     ax.set_xlabel(f"candidate - baseline, accuracy points ({report.confidence:.1%} CI; | = -margin)")
-    ax.set_title("PASS" if report.passed else "FAIL")
+    ax.set_title({"pass": "PASS", "fail": "FAIL", "continue": "UNDECIDED"}[report.decision])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -59,30 +59,37 @@ def length_plot(report, path: Path) -> Path | None:
     return path
 
 
-def markdown(report) -> str:
-    lines = [
-        f"# Release gate: {'PASS' if report.passed else 'FAIL'}",
-        "",
-        f"Baseline `{visible(report.baseline)}`, candidate `{visible(report.candidate)}`; intervals at {report.confidence:.2%} "
-        f"per task ({report.correction}).",
-        "",
-        "| task | n | baseline | candidate | delta | interval | margin | verdict | flips | certifiable margin |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def _blocks(report) -> list[tuple]:
+    """The report as blocks both renderings share: ("h1"|"h2"|"p", text), ("table", headers, rows), ("ul", items).
+    Text from the runs (paths, differences) is made visible here; each renderer escapes for its own format."""
+    title = {"pass": "PASS", "fail": "FAIL", "continue": "UNDECIDED: evaluate the next look"}[report.decision]
+    blocks: list[tuple] = [("h1", f"Release gate: {title}"),
+                           ("p", f"Baseline {visible(report.baseline)}, candidate {visible(report.candidate)}; "
+                                 f"intervals at {report.confidence:.2%} per task ({report.correction}; Tango's score "
+                                 "interval for paired outcomes).")]
+    look = report.sequential
+    if look is not None:
+        saved = 1 - look.items / look.population
+        blocks.append(("p", f"Sequential: look {look.look} of {look.looks}, the candidate evaluated on "
+                            f"{look.items:,} of {look.population:,} items ({look.fraction:.0%}); this look tests at a "
+                            f"one-sided alpha of {look.alpha:.2g} per task (alpha spent over the looks); "
+                            f"{saved:.0%} of the candidate's items not evaluated."))
+    rows = []
     for t in report.tasks:
-        lines.append(
-            f"| {t.task} | {t.n} | {t.baseline:.1f} | {t.candidate:.1f} | {t.delta:+.2f} | [{t.low:+.2f}, {t.high:+.2f}] | "
-            f"-{t.margin:g} | {'pass' if t.passed else 'FAIL'} | {t.flip_rate:.1f} % | {t.certifiable_margin:.2f} "
-            f"({t.items_for_margin:,} items for {t.margin:g}) |"
-        )
-    for t in report.tasks:
-        for s in t.signals:
-            interval = "" if s.low is None else f" [{s.low:+.3f}, {s.high:+.3f}]"
-            lines.append(f"- {t.task}: {s.name} {s.estimate:+.3f}{interval} {s.unit}")
+        cluster = f" x{t.design_effect:.2f} ({t.clusters} clusters)" if t.clusters else ""
+        rows.append([t.task, f"{t.n:,}", f"{t.baseline:.1f}", f"{t.candidate:.1f}", f"{t.delta:+.2f}",
+                     f"[{t.low:+.2f}, {t.high:+.2f}]{cluster}", f"-{t.margin:g}",
+                     {"pass": "pass", "fail": "FAIL", "continue": "continue"}[t.decision], f"{t.flip_rate:.1f} %",
+                     f"{t.certifiable_margin:.2f} ({t.items_for_margin:,} items for {t.margin:g})"])
+    blocks.append(("table", ["task", "n", "baseline", "candidate", "delta", "interval", "margin", "verdict", "flips",
+                             "certifiable margin"], rows))
+    items = [f"{t.task}: {t.note}" for t in report.tasks if t.note]
+    items += [f"{t.task}: {s.name} {s.estimate:+.3f}{'' if s.low is None else f' [{s.low:+.3f}, {s.high:+.3f}]'} "
+              f"{s.unit}" for t in report.tasks for s in t.signals]
+    if items:
+        blocks.append(("ul", items))
     if report.behaviour:
-        lines += ["", "## Behaviour of generated answers", "",
-                  "| task | check | n | baseline | candidate | estimate | interval | limit | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        rows = []
         for c in report.behaviour:
             if c.check == "output length":
                 base, cand = f"{c.baseline:.1f} tokens", f"{c.candidate:.1f} tokens"
@@ -91,23 +98,67 @@ def markdown(report) -> str:
             else:
                 base, cand = f"{c.baseline:.1f} %", f"{c.candidate:.1f} %"
                 estimate, interval, limit = f"{c.estimate:+.2f} pts", f"[{c.low:+.2f}, {c.high:+.2f}]", f"+{c.limit:g} pts"
-            lines.append(f"| {c.task} | {c.check} | {c.n} | {base} | {cand} | {estimate} | {interval} | {limit} | "
-                         f"{'pass' if c.passed else 'FAIL'} |")
+            rows.append([c.task, c.check, f"{c.n:,}", base, cand, estimate, interval, limit,
+                         "pass" if c.passed else "FAIL"])
+        blocks += [("h2", "Behaviour of generated answers"),
+                   ("table", ["task", "check", "n", "baseline", "candidate", "estimate", "interval", "limit",
+                              "verdict"], rows)]
     if report.noise_run:
-        lines += ["", f"## Engine noise (A/A: `{visible(report.noise_run)}`)", ""]
         by_task = {t.task: t for t in report.tasks}
+        items = []
         for f in report.noise:
             t = by_task[f.task]
             label = t.engine_noise + ("" if t.passed else (": a regression" if t.regression else ": not a regression"))
             changed = "" if f.changed_answers is None else f", changes {f.changed_answers:.1f} % of its answers"
-            lines.append(f"- {f.task}: the baseline's model flips {f.flip_rate:.1f} % of items against itself (delta "
+            items.append(f"{f.task}: the baseline's model flips {f.flip_rate:.1f} % of items against itself (delta "
                          f"{f.delta:+.2f}{changed}); the candidate flips {t.flip_rate:.1f} %: {label}")
-    lines.append("")
-    lines.append(f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}"
-                 f"{' and the behaviour checks' if report.behaviour else ''}.")
+        blocks += [("h2", f"Engine noise (A/A: {visible(report.noise_run)})"), ("ul", items)]
+    decided = (f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}"
+               f"{' and the behaviour checks' if report.behaviour else ''}.")
     if report.allowed_differences:
-        lines.append(f"The candidate also differs, as the suite allows, in: {visible('; '.join(report.allowed_differences))}.")
-    return "\n".join(lines) + "\n"
+        decided += f" The candidate also differs, as the suite allows, in: {visible('; '.join(report.allowed_differences))}."
+    return blocks + [("p", decided)]
+
+
+def markdown(report) -> str:
+    lines: list[str] = []
+    for block in _blocks(report):
+        kind = block[0]
+        if kind in ("h1", "h2"):
+            lines += [("# " if kind == "h1" else "## ") + block[1], ""]
+        elif kind == "p":
+            lines += [block[1], ""]
+        elif kind == "table":
+            _, headers, rows = block
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+        else:
+            lines += [f"- {item}" for item in block[1]] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def html_page(report, images: list[Path]) -> str:
+    """The report as an HTML page: headings, real tables, lists, the plots embedded (one self-contained file)."""
+    e = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>quantkit release gate</title><style>"
+             "body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #bbb;padding:.25em .6em;text-align:right}td:first-child{text-align:left}"
+             "</style></head><body>"]
+    for block in _blocks(report):
+        kind = block[0]
+        if kind in ("h1", "h2", "p"):
+            parts.append(f"<{kind}>{e(block[1])}</{kind}>")
+        elif kind == "table":
+            _, headers, rows = block
+            parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>"
+                         + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+                         + "</table>")
+        else:
+            parts.append("<ul>" + "".join(f"<li>{e(item)}</li>" for item in block[1]) + "</ul>")
+    for path in images:
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<p><img alt='{e(path.stem)}' src='data:image/png;base64,{data}'></p>")
+    return "".join(parts) + "</body></html>\n"
 
 
 def write_gate_report(report, folder: Path) -> list[Path]:
@@ -119,12 +170,6 @@ def write_gate_report(report, folder: Path) -> list[Path]:
     pngs = [forest_plot(report, folder / "forest.png")]
     lengths = length_plot(report, folder / "lengths.png")
     pngs += [lengths] if lengths is not None else []
-    images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
-                     for p in pngs)
     page = folder / "report.html"
-    body = html.escape(markdown(report))
-    write_bytes_atomic(page, (
-        "<!doctype html><html><head><meta charset='utf-8'><title>quantkit gate</title></head><body>"
-        f"{images}<pre>{body}</pre></body></html>\n"
-    ).encode())
+    write_bytes_atomic(page, html_page(report, pngs).encode())
     return [verdict, md, *pngs, page]
