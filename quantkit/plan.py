@@ -199,21 +199,20 @@ def _pool(role, checkpoint, kv_dtype, component_bytes, config, family, tp, gpu_b
     weights = weights_per_gpu(component_bytes, tp)
     kv = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
     tokens = kv_tokens(gpu_bytes, frac, weights, kv, page)
-    engine_kv = "auto" if kv_dtype == "bf16" else kv_dtype
-    launch = (
-        f"python -m sglang.launch_server --model-path {checkpoint} --tp {tp} --kv-cache-dtype {engine_kv} "
-        f"--mem-fraction-static {frac} --context-length {ctx} --page-size {page} --disaggregation-mode {role}"
-    )
+    from quantkit.engines.launch import SGLangLaunch
+
     backend, kv_scales = fp8_kv_backend(family) if kv_dtype == "fp8_e4m3" else (None, "")
-    if backend:
-        launch += f" --attention-backend {backend}"
+    launch = SGLangLaunch(checkpoint, tp=tp, kv_cache_dtype="auto" if kv_dtype == "bf16" else kv_dtype,
+                          mem_fraction=frac, context_length=ctx, page_size=page, disaggregation_mode=role,
+                          attention_backend=backend).command()
     return PoolPlan(role, checkpoint, kv_dtype, weights, kv, tokens, tokens // ctx, launch, kv_scales)
 
 
 def fp8_kv_backend(family) -> tuple[str | None, str]:
     """The SGLang attention backend for an FP8 KV pool, and what it does with calibrated scales: one whose
-    FP8 path uses them where SGLang has one for this attention type (kv/engine_names.py, read in its source)."""
-    from quantkit.kv.engine_names import SGLANG_VERSION, attention_kind, backends, scale_backend
+    FP8 path uses them where SGLang has one for this attention type (engines/kv_scales.py, read in its source)."""
+    from quantkit.engines.kv_scales import attention_kind, backends, scale_backend
+    from quantkit.engines.versions import SGLANG_VERSION
 
     kind = attention_kind(family)
     chosen = scale_backend(kind)

@@ -1,5 +1,5 @@
 """Engine truth: where SGLang 0.5.23's and vLLM 0.33.0's loaders put every tensor of a checkpoint, and what
-their attention backends do with FP8 KV scales - each rule of verify/weight_names.py and kv/engine_names.py
+their attention backends do with FP8 KV scales - each rule of engines/loaders.py and engines/kv_scales.py
 as a case, and the engines' own loader code (from their wheels) run over quantkit's output names."""
 
 import json
@@ -15,10 +15,11 @@ from engine_source import Missing, engine_definition, engine_module, engine_whee
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.checkpoint.writer import write_safetensors
 from quantkit.convert import convert
+from quantkit.engines.kv_scales import BACKENDS, engine_usage
+from quantkit.engines.loaders import LOADERS, loader_rules
+from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 from quantkit.kv.calibrate import write_scales
-from quantkit.kv.engine_names import BACKENDS, SGLANG_VERSION, VLLM_VERSION, engine_usage
 from quantkit.verify import verify
-from quantkit.verify.weight_names import LOADERS, loader_rules
 
 GLM = {"model_type": "glm_moe_dsa", "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8,
        "q_lora_rank": 64, "index_topk": 16, "num_nextn_predict_layers": 1,

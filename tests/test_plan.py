@@ -22,9 +22,10 @@ def output_bytes(folder):
 def test_prediction_equals_convert_for_every_recipe(synthetic, tmp_path, recipe):
     family = next(f for prefix, f in FAMILY_OF.items() if recipe.startswith(prefix))
     src = synthetic[family]
-    # A GPTQ recipe writes its RTN twin's exact format (tests/test_gptq.py), and the synthetic models have
-    # no tokenizer to calibrate with: the twin's output is what the GPTQ plan must predict.
-    convert(src, tmp_path / "out", recipe.replace("-gptq", ""), device="cpu", max_shard_size="1MB")
+    # A GPTQ or SignRound recipe writes its RTN twin's exact format (tests/test_gptq.py, test_signround.py), and the
+    # synthetic models have no tokenizer to calibrate with: the twin's output is what the plan must predict.
+    convert(src, tmp_path / "out", recipe.replace("-gptq", "").replace("-signround", ""), device="cpu",
+            max_shard_size="1MB")
     real = output_bytes(tmp_path / "out")
     from_headers = plan(src, recipe, max_shard_size="1MB")
     assert from_headers.from_headers and from_headers.bytes_after == real  # exact: the same plan

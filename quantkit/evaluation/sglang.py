@@ -48,13 +48,11 @@ class LaunchSpec:
     extra: list[str] = field(default_factory=list)
 
     def args(self) -> list[str]:
-        args = ["--model-path", self.model, "--host", self.host, "--port", str(self.port),
-                "--tp-size", str(self.tp), "--kv-cache-dtype", self.kv_cache_dtype, "--random-seed", str(self.seed)]
-        if self.ep > 1:
-            args += ["--ep-size", str(self.ep)]
-        if self.mem_fraction is not None:
-            args += ["--mem-fraction-static", str(self.mem_fraction)]
-        return args + self.extra
+        from quantkit.engines.launch import SGLangLaunch
+
+        return SGLangLaunch(self.model, tp=self.tp, ep=self.ep, kv_cache_dtype=self.kv_cache_dtype,
+                            mem_fraction=self.mem_fraction, host=self.host, port=self.port, seed=self.seed,
+                            extra=tuple(self.extra)).args()
 
     def settings(self) -> dict:
         """The launch settings that change results; the model path and port do not."""

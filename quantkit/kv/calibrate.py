@@ -20,9 +20,9 @@ from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import LOCK_NAME, folder_lock
 from quantkit.devices import resolve_device
+from quantkit.engines.kv_scales import engine_usage, scale_names
 from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
-from quantkit.kv.engine_names import engine_usage, scale_names
 from quantkit.kv.hooks import KVObserver, kv_hooks
 from quantkit.layerwise import LayerWalk
 
@@ -174,7 +174,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
                     shutil.copy2(p, target)
     tensors = {}
     for layer, (k, v) in scales.items():
-        k_name, v_name = scale_names(layer)  # the names the engines load (kv/engine_names.py)
+        k_name, v_name = scale_names(layer)  # the names the engines load (engines/kv_scales.py)
         tensors[k_name] = torch.tensor(k, dtype=torch.float32)
         tensors[v_name] = torch.tensor(v, dtype=torch.float32)
     written = write_safetensors(dst / SCALES_SHARD, tensors, {"format": "pt"})

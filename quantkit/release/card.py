@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quantkit
 from quantkit.checkpoint.config import is_moe
+from quantkit.engines.launch import SGLangLaunch, vllm_serve
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_run_record
 from quantkit.inert import markdown_cell, markdown_code, markdown_text, visible
@@ -31,7 +31,6 @@ DATASETS = {
     "mmlu": ("cais/mmlu", "MMLU", "all", "accuracy"),
     "mmlu_pro": ("TIGER-Lab/MMLU-Pro", "MMLU-Pro", None, "accuracy"),
 }
-H200_BYTES = 141 * 10**9
 FORMAT_TAGS = {"pack-quantized": ["int4", "w4a16"], "float-quantized": ["fp8"]}
 FORMAT_WORDS = {"pack-quantized": "INT4 group-quantized (`pack-quantized`)",
                 "float-quantized": "block-FP8 (`float-quantized`)"}
@@ -84,8 +83,11 @@ def _source_base_model(meta: dict) -> str | None:
 
 
 def serving_tp(total_bytes: int) -> int:
-    """Fewest H200s (a power of two) whose memory holds the weights with 30 % left for the KV cache."""
-    need = max(1, math.ceil(total_bytes / (0.7 * H200_BYTES)))
+    """Fewest H200s (a power of two) whose memory holds the weights with 30 % left for the KV cache (the memory
+    the GPU reports, plan.GPUS)."""
+    from quantkit.plan import GPUS
+
+    need = max(1, math.ceil(total_bytes / (0.7 * GPUS["h200"])))
     return 1 << (need - 1).bit_length()
 
 
@@ -135,11 +137,10 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
               + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
     lines += _gate_section(verdict)
     tp = serving_tp(after.total_bytes)
-    served = shlex.quote(visible(name))  # a folder name is data: one shell word, whatever it holds
-    lines += ["## Serving", "", "SGLang:", "", "```bash",
-              f"python -m sglang.launch_server --model-path {served} --tp-size {tp}"
-              + (" --kv-cache-dtype fp8_e4m3" if fp8_kv else ""), "```", "", "vLLM:", "", "```bash",
-              f"vllm serve {served} --tensor-parallel-size {tp}" + (" --kv-cache-dtype fp8" if fp8_kv else ""), "```", "",
+    served = visible(name)  # a folder name is data: the builders quote it as one shell word, whatever it holds
+    sglang = SGLangLaunch(served, tp=tp, kv_cache_dtype="fp8_e4m3" if fp8_kv else "auto").command()
+    lines += ["## Serving", "", "SGLang:", "", "```bash", sglang, "```", "", "vLLM:", "", "```bash",
+              vllm_serve(served, tp, fp8_kv), "```", "",
               f"(`{tp}` is the fewest H200s that hold the weights with 30 % of memory left for the KV cache; "
               "`quantkit plan` sizes a deployment exactly.)", ""]
     if fp8_kv:
@@ -158,10 +159,11 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
 
 def _kv_scale_section(dst: Path, config: dict) -> list[str]:
     """Per engine, where its loader puts the calibrated KV scales and which attention backends use them
-    (read in its source: kv/engine_names.py, verify/weight_names.py)."""
+    (read in its source: engines/kv_scales.py, engines/loaders.py)."""
     from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.kv.engine_names import SGLANG_VERSION, VLLM_VERSION, engine_usage, is_kv_scale
-    from quantkit.verify.weight_names import loader_rules, unplaced_tensors
+    from quantkit.engines.kv_scales import engine_usage, is_kv_scale
+    from quantkit.engines.loaders import loader_rules, unplaced_tensors
+    from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
     names = sorted(n for n in open_checkpoint(dst).tensors if is_kv_scale(n))
     lines = ["### FP8 KV-cache scales", ""]

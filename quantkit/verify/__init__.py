@@ -6,7 +6,7 @@ Five kinds of check, each finding naming the tensor and the rule:
   numbers    per-tensor error of the dequantized output against the dequantized source
   integrity  every shard's sha256 against the manifest
   engine     the INT4 kernels' rules for the chosen engine and tensor-parallel size, and every tensor name
-             through that engine's loader renaming (verify/weight_names.py): nothing it would skip
+             through that engine's loader renaming (engines/loaders.py): nothing it would skip
   smoke      small models load and run a forward pass; large ones are checked on the meta device
 Streaming like ``convert``: one module's tensors in memory at a time.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from quantkit.checkpoint.config import num_experts
 from quantkit.checkpoint.manifest import load_manifest
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
+from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
 from quantkit.errors import QuantkitError
 from quantkit.formats.describe import config_mismatches
-from quantkit.verify.engine_rules import FUSED_GROUPS, ROW_PARALLEL, EngineRules, engine_rules
 
 # Relative error ||w' - w|| / ||w|| above which a quantized tensor is broken, not just INT4:
 # healthy symmetric INT4 RTN sits near 0.1 (g32) to 0.13 (g128) on real and Gaussian weights;
@@ -297,9 +297,9 @@ def _integrity(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
 
 def _names_load(ckpt: Checkpoint, engine: str, checked: dict[str, int], notes: list[str]) -> list[Finding]:
     """Every tensor of the index lands on a parameter of the engine's model after its loader's renaming
-    (verify/weight_names.py, read in the engine's source): a tensor it has no place for is skipped or fails
+    (engines/loaders.py, read in the engine's source): a tensor it has no place for is skipped or fails
     the load at serve time - a KV scale skipped this way leaves FP8 KV at scale 1.0 without a word."""
-    from quantkit.verify.weight_names import loader_rules, unplaced_tensors
+    from quantkit.engines.loaders import loader_rules, unplaced_tensors
 
     rules = loader_rules(engine, ckpt.config.get("model_type"))
     if rules is None:

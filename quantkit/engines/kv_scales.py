@@ -3,7 +3,7 @@
 Two questions, both answered per engine from the wheels PyPI serves (SGLang 0.5.23, vLLM 0.33.0):
 
 - Does the loader put the tensor on a parameter? That is a name rule like any other weight's and lives
-  with them in ``quantkit/verify/weight_names.py``. quantkit writes the ModelOpt layout
+  with them in ``quantkit/engines/loaders.py``. quantkit writes the ModelOpt layout
   ``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, which every traced loader takes.
 - Once loaded, does the attention backend use it? The FP8 KV write path must divide by the scale and
   the read path multiply by it. ``BACKENDS`` records, per backend and attention type, what its source
@@ -17,8 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SGLANG_VERSION = "0.5.23"
-VLLM_VERSION = "0.33.0"
+from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 _POOL = "sglang/srt/mem_cache/memory_pool.py"
 _ATT = "sglang/srt/layers/attention"
@@ -91,7 +90,7 @@ def engine_usage(config: dict) -> dict[str, str]:
     """Per engine, one line: where its loader puts the scales quantkit writes and which attention backends
     use them, for a model with this config."""
     from quantkit.checkpoint.families import detect_family
-    from quantkit.verify.weight_names import loader_rules
+    from quantkit.engines.loaders import loader_rules
 
     family = detect_family(config)
     kind = attention_kind(family)

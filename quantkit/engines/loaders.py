@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.kv.engine_names import SGLANG_VERSION, VLLM_VERSION
+from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 # The suffixes a Linear's parameters carry across the formats quantkit reads and writes: unquantized,
 # block-FP8 (weight_scale_inv, or weight_scale in compressed-tensors), pack-quantized INT4 (with weight_zero_point
