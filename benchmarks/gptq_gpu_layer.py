@@ -41,7 +41,8 @@ def build(out: Path, device: str, dims: dict) -> Path:
 
     from quantkit.checkpoint.reader import INDEX_NAME
     from quantkit.checkpoint.writer import write_safetensors
-    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
+    from quantkit.examples.fp8_release import release_encoding
+    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG
     from quantkit.modeling import unfuse_experts
 
     if (out / "config.json").is_file():

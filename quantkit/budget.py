@@ -28,7 +28,8 @@ from quantkit.errors import QuantkitError
 OPTIONS = ("int4-g128", "int4-g32", "fp8", "bf16")
 MAX_PARAMS = 4_000_000_000  # the whole model is held in memory for the measurement
 _LAYER = re.compile(r"^model\.layers\.(\d{1,6})\.(.+)$")
-_COMPONENTS = (("experts", re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj$"), r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
+_COMPONENTS = (("experts", re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj$"),
+                r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
                ("shared experts", re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj$"),
                 r"mlp\.shared_experts\.(?:gate|up|down)_proj"),
                ("mlp", re.compile(r"^mlp\.(gate|up|down)_proj$"), r"mlp\.(?:gate|up|down)_proj"),
@@ -193,7 +194,7 @@ def _groups(actions, ckpt) -> list[Group]:
         for option in OPTIONS:
             sizes = [option_bytes(option, s) for s in group.shapes]
             if all(b is not None for b in sizes):
-                group.bytes[option] = sum(sizes)
+                group.bytes[option] = sum(b for b in sizes if b is not None)
     return sorted(groups.values(), key=lambda g: _order(g.name))
 
 

@@ -22,6 +22,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from quantkit.settings import CALIBRATE, CONVERT, EVAL, VERIFY
+
 app = typer.Typer(
     help="Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs.",
     no_args_is_help=True,
@@ -99,7 +101,7 @@ def _one_line(exc: BaseException) -> tuple[str, str, int]:
     """(kind, the message on one line, exit code) for any failure of a command."""
     from quantkit.errors import CannotCompare, QuantkitError, describe_os_error
 
-    def flat(text: str) -> str:
+    def flat(text: object) -> str:
         return " ".join(str(text).split())
 
     if isinstance(exc, CannotCompare):
@@ -114,7 +116,8 @@ def _one_line(exc: BaseException) -> tuple[str, str, int]:
     if module in ("httpx", "requests", "urllib3", "huggingface_hub", "httpcore"):
         return "error", f"network or hub failure ({type(exc).__name__}): {flat(exc)[:400]}", 1
     hint = "" if _debug["on"] else " (re-run with --debug for the traceback)"
-    return "internal error", f"{type(exc).__name__}: {flat(exc)[:400]}; this is a bug in quantkit, please report it{hint}", 1
+    return ("internal error", f"{type(exc).__name__}: {flat(exc)[:400]}; this is a bug in quantkit, please report "
+            f"it{hint}", 1)
 
 
 def _quiet_libraries() -> None:
@@ -138,7 +141,7 @@ def _emit_json(obj) -> None:
     if hasattr(obj, "model_dump"):
         data = obj.model_dump(mode="json")
     else:
-        data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+        data = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
@@ -176,13 +179,17 @@ def convert_cmd(
     src: Annotated[Path, typer.Argument(help="Source checkpoint folder (never modified).")],
     dst: Annotated[Path, typer.Argument(help="Output folder.")],
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe YAML path or built-in name (see recipes/).")],
-    device: DeviceOpt = "auto",
-    workers: Annotated[Optional[int], typer.Option(min=1, help="Concurrent shard jobs (default: 4 per GPU, or up to 4 on CPU).")] = None,
-    max_shard_size: MaxShardSizeOpt = "5GB",
+    device: DeviceOpt = CONVERT.device,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Concurrent shard jobs (default: 4 per GPU, or up to "
+                                                               "4 on CPU).")] = CONVERT.workers,
+    max_shard_size: MaxShardSizeOpt = CONVERT.max_shard_size,
     resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted run in DST.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the quantkit run DST holds.")] = False,
-    verify_reused: Annotated[bool, typer.Option("--verify-reused/--trust-manifest", help="--resume: re-hash the finished shards it keeps.")] = True,
-    calibration_data: Annotated[Optional[Path], typer.Option(help="GPTQ recipes: calibration .jsonl (text or input_ids rows) or .txt instead of the recipe's.")] = None,
+    verify_reused: Annotated[bool, typer.Option("--verify-reused/--trust-manifest", help="--resume: re-hash the "
+            "finished shards it keeps.")] = True,
+    calibration_data: Annotated[Optional[Path], typer.Option(help="GPTQ recipes: calibration .jsonl (text or "
+                                                                  "input_ids rows) or .txt instead of the "
+                                                                  "recipe's.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe (RTN or GPTQ)."""
@@ -241,14 +248,16 @@ class _GPTQLayerLog:
 @command("calibrate-kv")
 def calibrate_kv_cmd(
     model: Annotated[Path, typer.Argument(help="A BF16 source or a quantkit output (with its tokenizer).")],
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write a copy with scales here (hard links where possible).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write a copy with scales here (hard links where "
+                                                                  "possible).")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Add the scales to MODEL itself.")] = False,
-    data: Annotated[Optional[Path], typer.Option(help="Calibration text: .jsonl (see --text-field) or .txt; default: built-in GSM8K-train text.")] = None,
-    text_field: Annotated[str, typer.Option(help="The JSONL field holding the text.")] = "text",
-    samples: Annotated[int, typer.Option(min=1, help="Sequences to run.")] = 512,
-    seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence.")] = 2048,
-    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = 4,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    data: Annotated[Optional[Path], typer.Option(help="Calibration text: .jsonl (see --text-field) or .txt; default: "
+                                                      "built-in GSM8K-train text.")] = None,
+    text_field: Annotated[str, typer.Option(help="The JSONL field holding the text.")] = CALIBRATE.text_field,
+    samples: Annotated[int, typer.Option(min=1, help="Sequences to run.")] = CALIBRATE.samples,
+    seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence.")] = CALIBRATE.seq_len,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = CALIBRATE.batch_size,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = CALIBRATE.device,
     json_out: JsonOpt = False,
 ) -> None:
     """FP8 (e4m3) KV-cache scales: absmax / 448 of what the engine caches (MLA: the latent), layer by layer."""
@@ -261,8 +270,10 @@ def calibrate_kv_cmd(
         return
     ks = [k for k, _ in result.scales.values()]
     out.print(
-        f"[green]done[/] {_t(result.out)}: {result.layers} layers ({result.attention}), {result.samples} x {result.seq_len} "
-        f"tokens in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {_t(result.json_path)}, {_t(result.plot_path)}"
+        f"[green]done[/] {_t(result.out)}: {result.layers} layers ({result.attention}), {result.samples} x "
+        f"{result.seq_len} "
+        f"tokens in {result.seconds:.1f}s; k_scale {min(ks):.3g}..{max(ks):.3g}; {_t(result.json_path)}, "
+        f"{_t(result.plot_path)}"
     )
     for engine, usage in result.engines.items():
         out.print(f"  {_t(engine)}: {_t(usage)}", highlight=False, soft_wrap=True)
@@ -271,10 +282,12 @@ def calibrate_kv_cmd(
 @command("verify")
 def verify_cmd(
     path: Annotated[Path, typer.Argument(help="A converted checkpoint.")],
-    source: Annotated[Optional[Path], typer.Option("--source", help="The source it came from: enables the numeric checks.")] = None,
-    engine: Annotated[str, typer.Option(help="Whose kernel rules to check: sglang or vllm.")] = "sglang",
-    tp: TpOpt = 1,
-    smoke: Annotated[bool, typer.Option("--smoke/--no-smoke", help="Load and run small models; meta-check large ones.")] = True,
+    source: Annotated[Optional[Path], typer.Option("--source", help="The source it came from: enables the numeric "
+                                                                    "checks.")] = None,
+    engine: Annotated[str, typer.Option(help="Whose kernel rules to check: sglang or vllm.")] = VERIFY.engine,
+    tp: TpOpt = VERIFY.tp,
+    smoke: Annotated[bool, typer.Option("--smoke/--no-smoke", help="Load and run small models; meta-check large "
+                                                                   "ones.")] = VERIFY.smoke,
     json_out: JsonOpt = False,
 ) -> None:
     """Check structure, numbers, integrity and engine rules; exit 0 only when everything passes."""
@@ -292,9 +305,11 @@ def verify_cmd(
             out.print(f"note: {_t(remark)}", highlight=False, soft_wrap=True)
         if report.worst:
             worst = report.worst[0]
-            out.print(f"worst tensor: {_t(worst.tensor)} relative error {worst.relative_error:.4f}, SNR {worst.snr_db:.1f} dB")
+            out.print(f"worst tensor: {_t(worst.tensor)} relative error {worst.relative_error:.4f}, SNR "
+                      f"{worst.snr_db:.1f} dB")
         for f in report.findings:  # one line each, never cut: a log reader needs the whole file name
-            out.print(f"[red]{f.check}[/] {_t(f.tensor or f.file or '')}: {_t(f.rule)}: {_t(f.message)}", highlight=False,
+            out.print(f"[red]{f.check}[/] {_t(f.tensor or f.file or '')}: {_t(f.rule)}: "
+                      f"{_t(f.message)}", highlight=False,
                       soft_wrap=True)
         out.print("[green]PASS[/]" if report.passed else f"[red]FAIL[/]: {len(report.findings)} finding(s)")
     raise typer.Exit(0 if report.passed else 1)
@@ -308,11 +323,13 @@ def plan_cmd(
     gpu: Annotated[str, typer.Option(help="h100, h200 or b200 (memory as the GPU reports it).")] = "h200",
     gpu_mem: Annotated[Optional[float], typer.Option(min=1, help="GPU memory in GiB (overrides --gpu).")] = None,
     kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: bf16 or fp8_e4m3.")] = "bf16",
-    mem_fraction: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of GPU memory for weights + KV (SGLang --mem-fraction-static).")] = 0.88,
+    mem_fraction: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of GPU memory for weights + KV "
+            "(SGLang --mem-fraction-static).")] = 0.88,
     context_len: Annotated[int, typer.Option(min=1, help="Context length per request.")] = 32768,
     page_size: Annotated[int, typer.Option(min=1, help="KV-cache page size in tokens.")] = 64,
     max_shard_size: MaxShardSizeOpt = "5GB",
-    deploy: Annotated[bool, typer.Option("--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 KV) pools.")] = False,
+    deploy: Annotated[bool, typer.Option("--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 "
+                                                          "KV) pools.")] = False,
     chart: Annotated[Path, typer.Option(help="Where --deploy writes its PNG chart.")] = Path("plan-memory.png"),
     json_out: JsonOpt = False,
 ) -> None:
@@ -320,12 +337,14 @@ def plan_cmd(
     from quantkit.plan import plan
 
     report = plan(src, recipe=recipe, tp=tp, gpu=gpu, gpu_mem_gib=gpu_mem, kv_dtype=kv_dtype, mem_fraction=mem_fraction,
-                  context_len=context_len, page_size=page_size, max_shard_size=max_shard_size, deploy=deploy, chart=chart)
+                  context_len=context_len, page_size=page_size, max_shard_size=max_shard_size, deploy=deploy,
+                  chart=chart)
     if json_out:
         _emit_json(report)
         return
     where = "shard headers" if report.from_headers else "config.json alone"
-    out.print(f"[bold]{_t(report.source)}[/] ({report.family}, {report.attention}), from {where}: {report.total_params:,} parameters")
+    out.print(f"[bold]{_t(report.source)}[/] ({report.family}, {report.attention}), from {where}: "
+              f"{report.total_params:,} parameters")
     table = Table("component", "parameters", "now", "after" if report.recipe else "")
     for name, c in report.components.items():
         table.add_row(_t(name), f"{c.params:,}", _gib(c.bytes_now), _gib(c.bytes_after) if report.recipe else "")
@@ -338,7 +357,8 @@ def plan_cmd(
     )
     for pool in report.pools:
         out.print(f"[bold]{pool.role}[/] pool: weights {_gib(pool.weights_per_gpu)}/GPU, {pool.kv_dtype} KV "
-                  f"{pool.kv_bytes_per_token:,} B/token, {pool.kv_tokens_per_gpu:,} tokens, {pool.concurrent_requests} requests")
+                  f"{pool.kv_bytes_per_token:,} B/token, {pool.kv_tokens_per_gpu:,} tokens, "
+                  f"{pool.concurrent_requests} requests")
         out.print(f"  {_t(pool.launch)}", highlight=False)
         if pool.kv_scales:
             out.print(f"  FP8 KV scales: {_t(pool.kv_scales)}", highlight=False, soft_wrap=True)
@@ -349,10 +369,13 @@ def plan_cmd(
 @command("budget")
 def budget_cmd(
     src: Annotated[Path, typer.Argument(help="The source checkpoint (never modified).")],
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="The round-to-nearest recipe whose INT4 groups may change format.")],
-    size: Annotated[str, typer.Option("--budget", help="Largest output: a size (421GB, 512MiB) or a fraction of the source's bytes (0.6).")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="The round-to-nearest recipe whose INT4 groups may "
+                                                               "change format.")],
+    size: Annotated[str, typer.Option("--budget", help="Largest output: a size (421GB, 512MiB) or a fraction of the "
+                                                       "source's bytes (0.6).")],
     recipe_out: Annotated[Path, typer.Option("--out", help="Where the chosen recipe is written (YAML).")],
-    data: Annotated[Optional[Path], typer.Option(help="Calibration text (.jsonl or .txt); default: built-in GSM8K-train text.")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="Calibration text (.jsonl or .txt); default: built-in "
+                                                      "GSM8K-train text.")] = None,
     samples: Annotated[int, typer.Option(min=1, help="Sequences the sensitivity is measured on.")] = 8,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens per sequence.")] = 256,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
@@ -372,7 +395,8 @@ def budget_cmd(
     for g in result.groups:
         table.add_row(_t(g.name), *(f"{g.kl[o]:.5f}" if o in g.kl else "-" for o in options), g.choice)
     out.print(table)
-    out.print(f"KL per token with each group alone in each format (nats), on {result.samples} x {result.seq_len} tokens")
+    out.print(f"KL per token with each group alone in each format (nats), on {result.samples} x {result.seq_len} "
+              f"tokens")
     out.print(f"[green]wrote[/] {_t(result.recipe)}: predicted {_gib(result.predicted_bytes)} for a budget of "
               f"{_gib(result.budget_bytes)} (source {_gib(result.source_bytes)}); {result.int4_share:.0%} of the "
               f"groups' weights in INT4; predicted damage {result.predicted_kl:.4f} nats per token")
@@ -381,23 +405,34 @@ def budget_cmd(
 @command("eval")
 def eval_cmd(
     model: Annotated[Path, typer.Argument(help="Checkpoint folder (with its tokenizer).")],
-    engine: Annotated[str, typer.Option(help="hf: transformers in-process; sglang: start a server for the run; openai: a running server at --url.")] = "hf",
-    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Tasks, comma-separated or repeated (default: all five).")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Local data in the hub's schema (e.g. shared/evaldata); else the hub.")] = None,
+    engine: Annotated[str, typer.Option(help="hf: transformers in-process; sglang: start a server for the run; "
+                                             "openai: a running server at --url.")] = EVAL.engine,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Tasks, comma-separated or repeated (default: "
+            "all five).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Local data in the hub's schema (e.g. shared/evaldata); "
+                                                          "else the hub.")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="First N items of each task.")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; sglang: passed on).")] = "auto",
-    tp: Annotated[int, typer.Option(min=1, help="sglang: tensor-parallel size.")] = 1,
-    ep: Annotated[int, typer.Option(min=1, help="sglang: expert-parallel size.")] = 1,
-    mem_fraction: Annotated[Optional[float], typer.Option(min=0.01, max=1.0, help="sglang: --mem-fraction-static.")] = None,
-    engine_cmd: Annotated[Optional[str], typer.Option(help="sglang: the command that starts it, run as given [env QUANTKIT_SGLANG_CMD; default: python -m sglang.launch_server].")] = None,
-    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang: seconds to wait for the server to become healthy.")] = 1800,
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; "
+                                                     "sglang: passed on).")] = EVAL.kv_cache_dtype,
+    tp: Annotated[int, typer.Option(min=1, help="sglang: tensor-parallel size.")] = EVAL.tp,
+    ep: Annotated[int, typer.Option(min=1, help="sglang: expert-parallel size.")] = EVAL.ep,
+    mem_fraction: Annotated[Optional[float], typer.Option(min=0.01, max=1.0,
+                                                          help="sglang: --mem-fraction-static.")] = None,
+    engine_cmd: Annotated[Optional[str], typer.Option(help="sglang: the command that starts it, run as given [env "
+                                                           "QUANTKIT_SGLANG_CMD; default: python -m "
+                                                           "sglang.launch_server].")] = None,
+    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang: seconds to wait for the server to become "
+                                                              "healthy.")] = EVAL.health_timeout,
     url: Annotated[Optional[str], typer.Option(help="openai: base URL of the server (http://host:port).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,
-    batch_size: BatchSizeOpt = 8,
-    repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, the engine's own noise floor for gate.")] = 1,
-    device: Annotated[str, typer.Option(help="hf: auto, cpu, cuda or cuda:N.")] = "auto",
-    order: Annotated[str, typer.Option(help="file, or seeded: each task's items in a fixed seeded order (sequential gating).")] = "file",
-    fraction: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="With --order seeded: the first share of each task's items (a sequential look).")] = None,
+    batch_size: BatchSizeOpt = EVAL.batch_size,
+    repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, "
+                                                           "the engine's own noise floor for gate.")] = EVAL.repeat,
+    device: Annotated[str, typer.Option(help="hf: auto, cpu, cuda or cuda:N.")] = EVAL.device,
+    order: Annotated[str, typer.Option(help="file, or seeded: each task's items in a fixed seeded order (sequential "
+                                            "gating).")] = "file",
+    fraction: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="With --order seeded: the first share "
+            "of each task's items (a sequential look).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the benchmarks with lm-eval and keep per-item outcomes and provenance in RUN_DIR."""
@@ -432,9 +467,13 @@ def gate_cmd(
     baseline: Annotated[Path, typer.Argument(help="The baseline's run directory.")],
     candidate: Annotated[Path, typer.Argument(help="The candidate's run directory.")],
     suite: Annotated[Optional[Path], typer.Option(help="Suite file (default: the built-in release suite).")] = None,
-    margin: Annotated[Optional[float], typer.Option(min=0, help="One margin in accuracy points for every task (overrides the suite).")] = None,
-    report: Annotated[Optional[Path], typer.Option(help="Write verdict.json, report.md, report.html and forest.png here.")] = None,
-    noise: Annotated[Optional[Path], typer.Option(help="A second run of the baseline's model (A/A): the engine's noise floor [default: BASELINE/repeat-2 when present].")] = None,
+    margin: Annotated[Optional[float], typer.Option(min=0, help="One margin in accuracy points for every task "
+                                                                "(overrides the suite).")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write verdict.json, report.md, report.html and forest.png "
+                                                        "here.")] = None,
+    noise: Annotated[Optional[Path], typer.Option(help="A second run of the baseline's model (A/A): the engine's "
+                                                       "noise floor [default: BASELINE/repeat-2 when "
+                                                       "present].")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Paired non-inferiority test of candidate vs baseline: exit 0 pass, 1 a task fails, 2 cannot compare,
@@ -458,8 +497,10 @@ def publish_cmd(
     private: Annotated[bool, typer.Option("--private", help="Create the hub repository private.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="Branch to upload to (created if missing).")] = None,
     base_model: Annotated[Optional[str], typer.Option(help="Hub id of the original model, for the card.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be uploaded and the card; change nothing.")] = False,
-    force_ungated: Annotated[bool, typer.Option("--force-ungated", help="Publish without a gate; the card says so.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be uploaded and the card; change "
+                                                            "nothing.")] = False,
+    force_ungated: Annotated[bool, typer.Option("--force-ungated", help="Publish without a gate; the card says "
+            "so.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Upload DST with its model card, only if the gate passed on exactly these files."""
@@ -479,7 +520,8 @@ def publish_cmd(
         out.print(f"[yellow]dry run[/]: nothing uploaded; would publish {len(result.files)} files to {_t(repo)}")
     else:
         where = result.target if result.target != "hub" else f"https://huggingface.co/{repo}"
-        out.print(f"[green]published[/] {len(result.files)} files to {_t(where)} ({'gated' if result.gated else 'UNGATED'})")
+        out.print(f"[green]published[/] {len(result.files)} files to {_t(where)} "
+                  f"({'gated' if result.gated else 'UNGATED'})")
 
 
 @command("release")
@@ -506,7 +548,8 @@ def demo_cmd(
     workdir: Annotated[Path, typer.Option(help="Where everything goes (a re-run resumes).")] = Path("quantkit-demo"),
     arc_items: Annotated[int, typer.Option(min=1, help="ARC-Easy test items (the first N).")] = 500,
     gsm8k_items: Annotated[int, typer.Option(min=1, help="GSM8K test items (the first N; evaluated, not gated).")] = 16,
-    source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of fetching it.")] = None,
+    source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of "
+                                                              "fetching it.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Four gated releases of the real SmolLM2-135M from a block-FP8 source, offline on a CPU: INT4 by
@@ -518,7 +561,7 @@ def demo_cmd(
         _print_stage(record)
 
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
-        result = demo(workdir, arc_items, gsm8k_items, source_model=source_model,
+        result = demo(workdir, arc_items=arc_items, gsm8k_items=gsm8k_items, source_model=source_model,
                       on_stage=None if json_out else stage, on_progress=on_progress)
     if json_out:
         _emit_json(result)
@@ -547,7 +590,8 @@ def synth_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.")],
     seed: Annotated[int, typer.Option(help="Random seed for the weights.")] = 0,
     bf16: Annotated[bool, typer.Option("--bf16", help="Write BF16 weights instead of block-FP8.")] = False,
-    experts: Annotated[Optional[int], typer.Option(min=1, max=256, help="Routed experts per layer (MoE families).")] = None,
+    experts: Annotated[Optional[int], typer.Option(min=1, max=256, help="Routed experts per layer (MoE "
+            "families).")] = None,
     layers: Annotated[Optional[int], typer.Option(min=1, max=64, help="Decoder layers.")] = None,
 ) -> None:
     """Build a small synthetic checkpoint with a real release's on-disk layout (tests, demos)."""

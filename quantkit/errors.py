@@ -42,6 +42,6 @@ def describe_os_error(exc: OSError) -> str:
 
     reasons = {errno.ENOSPC: "disk full", errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                errno.EISDIR: "is a folder, not a file", errno.ENOTDIR: "not a folder", errno.ENOENT: "not found"}
-    reason = reasons.get(exc.errno, exc.strerror or type(exc).__name__)
+    reason = reasons.get(exc.errno or 0, exc.strerror or type(exc).__name__)
     where = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
     return f"{' -> '.join(where)}: {reason}" if where else f"{reason} ({exc})"

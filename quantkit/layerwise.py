@@ -128,7 +128,7 @@ def layer_output_errors(source: Checkpoint, converted: Checkpoint, tokens: list[
                 walk.run(i, layer, advance=False)
                 hook.remove()
             errors.append(sum(float((a.float() - b.float()).pow(2).sum())
-                              for a, b in zip(outputs["ref"], outputs["out"])))
+                              for a, b in zip(outputs["ref"], outputs["out"], strict=False)))
             ref.run(i, ref.load(i, ref.read_layer(i, r_src)))
             ref.unload(i)
             conv.unload(i)

@@ -36,8 +36,9 @@ def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torc
     dtype = dtype or model_dtype(ckpt.config)
     names = ckpt.tensors
     if f"{module}.weight_packed" in names:
-        parts = (reader.read(f"{module}.weight_packed").to(device), reader.read(f"{module}.weight_scale").to(device),
-                 reader.read(f"{module}.weight_shape").tolist())
+        parts: tuple = (reader.read(f"{module}.weight_packed").to(device),
+                        reader.read(f"{module}.weight_scale").to(device),
+                        reader.read(f"{module}.weight_shape").tolist())
         if f"{module}.weight_zero_point" in names:
             parts += (reader.read(f"{module}.weight_zero_point").to(device),)
         return decode_weight("int4_packed", parts, dtype)
@@ -79,19 +80,21 @@ def meta_structure_mismatches(ckpt: Checkpoint) -> list[str]:
     shapes: dict[str, tuple[int, ...]] = {}
     for name, info in ckpt.tensors.items():
         module, _, param = name.rpartition(".")
-        if param in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point") or is_mtp(name, ckpt.config):
+        if param in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point") or is_mtp(name,
+                                                                                                        ckpt.config):
             continue
         if param == "weight_packed":
             shapes[f"{module}.weight"] = (info.shape[0], info.shape[1] * 8)
         else:
             shapes[name] = tuple(info.shape)
     state = fuse_experts({k: torch.empty(v, device="meta") for k, v in shapes.items()}, ckpt.config)
-    got = {k: tuple(v.shape) for k, v in state.items()}
+    got: dict[str, tuple[int, ...] | None] = {k: tuple(v.shape) for k, v in state.items()}
     if getattr(model.config, "tie_word_embeddings", False):
         got.setdefault("lm_head.weight", got.get("model.embed_tokens.weight"))
     problems = [f"missing {k}" for k in sorted(set(expected) - set(got))]
     problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
-    problems += [f"{k}: shape {list(got[k])}, model wants {list(v)}" for k, v in expected.items() if k in got and got[k] != v]
+    problems += [f"{k}: shape {list(got[k] or ())}, model wants "
+                 f"{list(v)}" for k, v in expected.items() if k in got and got[k] != v]
     return problems
 
 
@@ -112,7 +115,8 @@ def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torc
         count = len(by_index)
         if sorted(by_index) != list(range(count)) or any(len(p) != 3 for p in by_index.values()):
             raise QuantkitError(f"incomplete experts under {prefix}: each expert needs gate, up and down")
-        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_index[e]["gate"], by_index[e]["up"]]) for e in range(count)])
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_index[e]["gate"],
+                                                                  by_index[e]["up"]]) for e in range(count)])
         fused[f"{prefix}.down_proj"] = torch.stack([by_index[e]["down"] for e in range(count)])
     return fused
 

@@ -1,4 +1,4 @@
-"""The data quantkit ships inside its package: built-in recipes and gate suites.
+"""The data quantkit ships inside its package: built-in recipes, gate suites and two benchmarks' test sets.
 
 The files live in the repository's top-level ``recipes/`` and ``eval/suites/`` folders (where
 users look for them) and are installed as the packages ``quantkit.recipes`` and
@@ -26,6 +26,11 @@ def suites_dir() -> Path:
     return _folder("quantkit.suites")
 
 
+def evaldata_dir() -> Path:
+    """ARC-Easy and GSM8K test sets in the hub's schema (data/README.md says where they come from)."""
+    return Path(__file__).resolve().parent / "data" / "evaldata"
+
+
 def _resolve(what: str, folder: Path, name: str | os.PathLike) -> Path:
     path = Path(name)
     if path.is_file():
@@ -34,7 +39,7 @@ def _resolve(what: str, folder: Path, name: str | os.PathLike) -> Path:
         if candidate.is_file():
             return candidate
     known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
-    raise QuantkitError(f"no such {what} (built-in: {known})", name)
+    raise QuantkitError(f"no such {what} (built-in: {known})", path)
 
 
 def recipe_path(name: str | os.PathLike) -> Path:

@@ -14,10 +14,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
 from quantkit.checkpoint.layout import model_tensors
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
+from quantkit.settings import CONVERT
 
 GIB = 2**30
 # Memory the GPU reports (nvidia-smi's MiB); b200 from its 192 GB datasheet figure.
@@ -75,6 +77,7 @@ class PlanReport:
 def plan(
     src: str | os.PathLike,
     recipe: str | None = None,
+    *,
     tp: int = 1,
     gpu: str | None = "h200",
     gpu_mem_gib: float | None = None,
@@ -82,17 +85,15 @@ def plan(
     mem_fraction: float = 0.88,
     context_len: int = 32768,
     page_size: int = 64,
-    max_shard_size: str = "5GB",
+    max_shard_size: str = CONVERT.max_shard_size,
     deploy: bool = False,
     chart: str | os.PathLike | None = None,
     dst_hint: str = "DST",
 ) -> PlanReport:
-    from quantkit.checkpoint.inspection import tensor_params
+    """What SRC is and what RECIPE makes of it, from headers (or config.json alone): bytes per component now and
+    after, and the KV-cache tokens and concurrent requests each GPU holds at ``tp``; ``deploy``: the prefill and
+    decode pools with their launch commands and a memory chart."""
     from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.checkpoint.writer import safetensors_header
-    from quantkit.convert import parse_size
-    from quantkit.convert.tensor_plan import plan_conversion
-    from quantkit.formats.recipe import load_recipe
 
     if kv_dtype not in KV_BYTES:
         raise QuantkitError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}")
@@ -104,22 +105,9 @@ def plan(
     ckpt = open_checkpoint(root) if from_headers else virtual_checkpoint(root)
     config = ckpt.config
 
-    sizes = {name: ComponentSize() for name in COMPONENTS}
-    for info in ckpt.tensors.values():
-        c = sizes[component(info.name, config)]
-        c.bytes_now += info.nbytes
-        c.params += tensor_params(info, ckpt)[0]
+    sizes = _sizes_now(ckpt)
     bytes_now = ckpt.total_bytes if from_headers else sum(i.nbytes for i in ckpt.tensors.values())
-    bytes_after = None
-    if recipe:
-        conversion = plan_conversion(ckpt, load_recipe(recipe), parse_size(max_shard_size))
-        bytes_after = 0
-        for shard in conversion.shards:
-            entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
-            bytes_after += len(safetensors_header(entries, {"format": "pt"})) + shard.nbytes
-            for o in shard.tensors:
-                sizes[component(o.name, config)].bytes_after += o.nbytes
-
+    bytes_after = _sizes_after(ckpt, recipe, max_shard_size, sizes) if recipe else None
     family = detect_family(config)
     kv_now = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
     after = {k: (v.bytes_after if bytes_after is not None else v.bytes_now) for k, v in sizes.items()}
@@ -151,11 +139,43 @@ def plan(
         if not recipe:
             raise QuantkitError("--deploy needs --recipe: the decode pool serves the converted checkpoint")
         report.pools = [
-            _pool("prefill", str(root), "bf16", now, config, family, tp, gpu_bytes, mem_fraction, context_len, page_size),
-            _pool("decode", dst_hint, "fp8_e4m3", after, config, family, tp, gpu_bytes, mem_fraction, context_len, page_size),
+            _pool("prefill", str(root), "bf16", now, config, family, tp, gpu_bytes, mem_fraction, context_len,
+                  page_size),
+            _pool("decode", dst_hint, "fp8_e4m3", after, config, family, tp, gpu_bytes, mem_fraction, context_len,
+                  page_size),
         ]
         report.chart = str(memory_chart(report, Path(chart or "plan-memory.png")))
     return report
+
+
+def _sizes_now(ckpt) -> dict[str, ComponentSize]:
+    """Bytes and parameters of each component as the checkpoint stores them."""
+    from quantkit.checkpoint.inspection import tensor_params
+
+    sizes = {name: ComponentSize() for name in COMPONENTS}
+    for info in ckpt.tensors.values():
+        c = sizes[component(info.name, ckpt.config)]
+        c.bytes_now += info.nbytes
+        c.params += tensor_params(info, ckpt)[0]
+    return sizes
+
+
+def _sizes_after(ckpt, recipe: str, max_shard_size: str, sizes: dict[str, ComponentSize]) -> int:
+    """The converted checkpoint's bytes, exact to the byte (shards with their headers, as convert writes them); each
+    component's share goes into ``sizes``."""
+    from quantkit.checkpoint.writer import safetensors_header
+    from quantkit.convert import parse_size
+    from quantkit.convert.tensor_plan import plan_conversion
+    from quantkit.formats.recipe import load_recipe
+
+    conversion = plan_conversion(ckpt, load_recipe(recipe), parse_size(max_shard_size))
+    total = 0
+    for shard in conversion.shards:
+        entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
+        total += len(safetensors_header(entries, {"format": "pt"})) + shard.nbytes
+        for o in shard.tensors:
+            sizes[component(o.name, ckpt.config)].bytes_after += o.nbytes
+    return total
 
 
 ASSUMPTIONS = [
@@ -218,7 +238,8 @@ def fp8_kv_backend(family) -> tuple[str | None, str]:
     chosen = scale_backend(kind)
     if chosen is not None:
         others = [f"{b.backend} ({b.use})" for b in backends("sglang", kind) if b is not chosen]
-        return chosen.backend, (f"{chosen.backend}: the SGLang {SGLANG_VERSION} {kind.upper()} backend whose FP8 KV path "
+        return chosen.backend, (f"{chosen.backend}: the SGLang {SGLANG_VERSION} {kind.upper()} backend whose FP8 KV "
+                                f"path "
                                 f"uses the calibrated scales ({chosen.how}; {chosen.source})"
                                 + (f"; the others: {', '.join(others)}" if others else ""))
     traced = backends("sglang", kind)
@@ -241,10 +262,10 @@ def memory_chart(report: PlanReport, path: Path) -> Path:
     weights = [p.weights_per_gpu / GIB for p in report.pools]
     kv = [p.kv_tokens_per_gpu * p.kv_bytes_per_token / GIB for p in report.pools]
     total = report.gpu_bytes / GIB
-    reserve = [total - w - k for w, k in zip(weights, kv)]
+    reserve = [total - w - k for w, k in zip(weights, kv, strict=False)]
     ax.bar(names, weights, label="weights", color="#4c72b0")
     ax.bar(names, kv, bottom=weights, label="KV cache", color="#55a868")
-    ax.bar(names, reserve, bottom=[w + k for w, k in zip(weights, kv)], label="reserve", color="#c8c8c8")
+    ax.bar(names, reserve, bottom=[w + k for w, k in zip(weights, kv, strict=False)], label="reserve", color="#c8c8c8")
     for i, p in enumerate(report.pools):
         ax.text(i, total * 1.01, f"{p.kv_tokens_per_gpu:,} tokens\n{p.concurrent_requests} x {report.context_len:,}",
                 ha="center", va="bottom", fontsize=8)
@@ -267,7 +288,8 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
     config = read_config(root)
     n_mtp = int(config.get("num_nextn_predict_layers") or 0)
     if not config.get("num_hidden_layers"):
-        raise QuantkitError("num_hidden_layers missing: cannot size a model from this config alone", root / "config.json")
+        raise QuantkitError("num_hidden_layers missing: cannot size a model from this config "
+                            "alone", root / "config.json")
     layers = int(config["num_hidden_layers"])
     shaped = dict(config, num_hidden_layers=layers + n_mtp)
     for per_layer in ("mlp_layer_types", "layer_types", "indexer_types"):
@@ -278,7 +300,7 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
     for index in range(layers, layers + n_mtp):
         for name, shape in mtp_extra_shapes(config).items():
             state[f"model.layers.{index}.{name}"] = (dtype, shape)
-    fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    fp8 = quantization(config).fp8_release
     tensors: dict[str, TensorInfo] = {}
     for name, (code, shape) in state.items():
         if fp8 and release_stores_fp8(name, len(shape)):

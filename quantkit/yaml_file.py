@@ -26,7 +26,8 @@ class _BoundedLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > MAX_ALIASES:
-                raise yaml.YAMLError(f"more than {MAX_ALIASES} alias uses (refused: such files can expand without bound)")
+                raise yaml.YAMLError(f"more than {MAX_ALIASES} alias uses (refused: such files can expand without "
+                                     f"bound)")
         return super().compose_node(parent, index)
 
 

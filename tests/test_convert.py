@@ -13,7 +13,7 @@ from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
-from quantkit.formats.describe import config_mismatches
+from quantkit.checkpoint.describe import config_mismatches
 from quantkit.formats.int4 import fake_quantize_int4
 from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, model_config
 

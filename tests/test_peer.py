@@ -18,7 +18,7 @@ from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
 from quantkit.examples.synthetic import build_synthetic
 from quantkit.formats import int4
-from quantkit.formats.describe import config_mismatches
+from quantkit.checkpoint.describe import config_mismatches
 from quantkit.formats.recipe import load_recipe
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"

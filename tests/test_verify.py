@@ -167,7 +167,7 @@ def test_smollm2_conversion_passes(smollm2_bf16, tmp_path):
 
 
 def test_large_models_get_the_meta_structure_check(converted, glm_out, monkeypatch):
-    import quantkit.verify as v
+    import quantkit.verify.smoke as v
 
     monkeypatch.setattr(v, "SMOKE_MAX_PARAMS", 0)  # treat the tiny model as too large to load
     healthy = verify(converted["glm_moe_dsa"])

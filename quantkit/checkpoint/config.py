@@ -8,9 +8,10 @@ structures for ever; real models are orders of magnitude below these limits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, field_error
 
 FLOAT_CODES = ("BF16", "F16", "F32")
 MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -42,7 +43,8 @@ def check_config(config: dict, path: Path) -> None:
         block = qc.get("weight_block_size", [128, 128])
         if (not isinstance(block, list) or len(block) != 2
                 or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 16 for b in block)):
-            raise QuantkitError(f"quantization_config.weight_block_size = {block!r}: expected two positive integers", path)
+            raise QuantkitError(f"quantization_config.weight_block_size = {block!r}: expected two positive "
+                                f"integers", path)
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise QuantkitError(f"quantization_config.fmt = {fmt!r}: only e4m3 block-FP8 releases are supported", path)
@@ -54,15 +56,68 @@ def model_dtype_code(config: dict) -> str:
     return _DTYPE_CODES.get(name, "BF16")
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """config.json's quantization_config, as every reader in quantkit sees it: a block-FP8 release's
+    (``quant_method: fp8``, vetted by check_config) or compressed-tensors' (parsed by formats/quant_config.py)."""
+
+    raw: dict
+    path: Path | None = None  # config.json, named in errors
+
+    @property
+    def method(self) -> str | None:
+        return self.raw.get("quant_method")
+
+    @property
+    def fp8_release(self) -> bool:
+        return self.method == "fp8"
+
+    @property
+    def format(self) -> str | None:
+        return self.raw.get("format")
+
+    @property
+    def kv_cache_scheme(self) -> dict:
+        return self.raw.get("kv_cache_scheme") or {}
+
+    def group_formats(self) -> set[str | None]:
+        """The format of each config group (a group without one has the config's)."""
+        return {(g or {}).get("format") or self.format for g in (self.raw.get("config_groups") or {}).values()}
+
+    def compressed(self):
+        """compressed-tensors' QuantizationConfig (formats/quant_config.py), or None for another method."""
+        from pydantic import ValidationError
+
+        from quantkit.formats.quant_config import QuantizationConfig
+
+        if self.method != "compressed-tensors":
+            return None
+        try:
+            return QuantizationConfig.model_validate(self.raw)
+        except ValidationError as exc:
+            raise QuantkitError(f"invalid quantization_config: {field_error(exc)}", self.path) from exc
+
+    def describe(self) -> str:
+        if not self.method:
+            return "none"
+        if self.fp8_release:
+            return f"fp8 block {self.raw.get('weight_block_size')}"
+        return f"{self.method} ({self.format or '?'})"
+
+
+def quantization(config: dict, path: Path | None = None) -> Quantization:
+    return Quantization(config.get("quantization_config") or {}, path)
+
+
 def fp8_block_size(config: dict) -> tuple[int, int]:
     """The FP8 block of a release (``weight_block_size``) or of a compressed-tensors block group."""
-    qc = config.get("quantization_config") or {}
-    for group in (qc.get("config_groups") or {}).values():
+    q = quantization(config)
+    for group in (q.raw.get("config_groups") or {}).values():
         weights = (group or {}).get("weights") or {}
         if weights.get("strategy") == "block" and weights.get("block_structure"):
             return tuple(weights["block_structure"])
-    if qc.get("quant_method") == "fp8":
-        return tuple(qc.get("weight_block_size") or (128, 128))
+    if q.fp8_release:
+        return tuple(q.raw.get("weight_block_size") or (128, 128))
     return (128, 128)
 
 

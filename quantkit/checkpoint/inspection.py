@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, is_mtp, layer_index
 from quantkit.checkpoint.reader import Checkpoint, TensorInfo, open_checkpoint
 
@@ -49,14 +50,13 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
         if params:
             summary.params += params
             summary.encodings[encoding] = summary.encodings.get(encoding, 0) + params
-    qc = config.get("quantization_config") or {}
     mtp = {layer_index(n) for n in ckpt.tensors if is_mtp(n, config)}
     return InspectReport(
         path=str(ckpt.root),
         model_type=config.get("model_type", "unknown"),
         family=detect_family(config).name,
         architectures=list(config.get("architectures") or []),
-        quantization=_describe_quantization(qc),
+        quantization=quantization(config).describe(),
         num_hidden_layers=int(config.get("num_hidden_layers", 0)),
         mtp_layers=len(mtp),
         total_params=sum(c.params for c in components.values()),
@@ -64,15 +64,6 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
         shards=[{"name": s.name, "bytes": s.size, "tensors": len(s.tensors)} for s in ckpt.shards],
         components={k: v for k, v in components.items() if v.bytes},
     )
-
-
-def _describe_quantization(qc: dict) -> str:
-    method = qc.get("quant_method")
-    if not method:
-        return "none"
-    if method == "fp8":
-        return f"fp8 block {qc.get('weight_block_size')}"
-    return f"{method} ({qc.get('format', '?')})"
 
 
 def tensor_params(info: TensorInfo, ckpt: Checkpoint) -> tuple[int, str]:

@@ -67,7 +67,7 @@ def _mla_moe(config: dict, dtype: str, indexer: bool) -> dict[str, tuple[str, Sh
     layers: dict[str, tuple[str, Shape]] = {}
     for i in range(n):
         p = f"model.layers.{i}"
-        attn = {}
+        attn: dict[str, tuple[str, Shape]] = {}
         if q_lora is None:
             attn["q_proj.weight"] = (dtype, (heads * (nope + rope), hidden))
         else:
@@ -123,7 +123,8 @@ def _indexer_types(config: dict, n: int) -> list[bool]:
 
 
 def _dense_gqa(config: dict, dtype: str) -> dict[str, tuple[str, Shape]]:
-    hidden, heads, kv = int(config["hidden_size"]), int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv = int(config["num_key_value_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     layers: dict[str, tuple[str, Shape]] = {}
     for i in range(int(config["num_hidden_layers"])):

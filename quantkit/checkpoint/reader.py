@@ -125,7 +125,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise QuantkitError(f"index says {file}, found in {tensors[name].file}", root / INDEX_NAME, name)
 
     weights = set(shard_names) | {INDEX_NAME, "config.json"}
-    other, skipped = [], []
+    other: list[str] = []
+    skipped: list[str] = []
     for rel in _files_below(root):
         if rel in weights or _is_private(Path(rel)):
             continue
@@ -164,11 +165,13 @@ def link_roots(root: Path) -> list[Path]:
 
 
 def checked_file(root: Path, rel: str, roots: list[Path]) -> Path:
-    """``root/rel`` if it is a regular file that stays inside ``roots`` after following links; else an error naming it."""
+    """``root/rel`` if it is a regular file that stays inside ``roots`` after following links; else an error naming
+    it."""
     path = root / rel
     real = path.resolve()
     if not any(real == r or r in real.parents for r in roots):
-        raise QuantkitError(f"links to {real}, outside the model's folder: refused (a link may only stay inside it)", path)
+        raise QuantkitError(f"links to {real}, outside the model's folder: refused (a link may only stay inside "
+                            f"it)", path)
     try:
         mode = os.stat(real).st_mode
     except OSError as exc:
@@ -204,7 +207,8 @@ def _shard_names(root: Path, roots: list[Path]) -> tuple[list[str], dict[str, st
             raise QuantkitError(f"invalid index: {exc}", index_path) from exc
         for tensor, name in weight_map.items():
             if not isinstance(name, str) or not isinstance(tensor, str):
-                raise QuantkitError(f"invalid index: weight_map value {name!r} is not a file name", index_path, str(tensor))
+                raise QuantkitError(f"invalid index: weight_map value {name!r} is not a file "
+                                    f"name", index_path, str(tensor))
             if os.path.isabs(name) or ".." in Path(name).parts:
                 raise QuantkitError(f"index path {name!r} escapes the checkpoint folder", index_path, tensor)
         names = sorted(set(weight_map.values()))
@@ -367,8 +371,9 @@ class TensorReader:
         """A small integer tensor's values, flattened, without torch (``weight_shape`` and the like)."""
         info = self.checkpoint.tensors[name]
         if info.dtype not in _INT_FORMATS:
-            raise QuantkitError(f"expected an integer tensor, found {info.dtype}", self.checkpoint.root / info.file, name)
-        return memoryview(self._bytes(name)).cast(_INT_FORMATS[info.dtype]).tolist()
+            raise QuantkitError(f"expected an integer tensor, found "
+                                f"{info.dtype}", self.checkpoint.root / info.file, name)
+        return memoryview(self._bytes(name)).cast(_INT_FORMATS[info.dtype]).tolist()  # type: ignore[call-overload]
 
     def close(self) -> None:
         for fd in self._fds.values():

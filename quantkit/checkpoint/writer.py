@@ -22,6 +22,7 @@ import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE
 from quantkit.errors import QuantkitError
@@ -50,7 +51,8 @@ def open_exclusive(tmp: Path):
     return os.fdopen(fd, "wb")
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str,
+                                                                                       str] | None = None) -> bytes:
     """The header for tensors written in the given order; entries are (name, dtype code, shape)."""
     header: dict = {}
     if metadata:
@@ -93,7 +95,7 @@ class ShardWriter:
         self._tmp = partial_name(path)
         self._digest = hashlib.sha256()
         self._size = 0
-        self._file = None
+        self._file: Any = None  # the open partial file, between __enter__ and finish
         self._header = safetensors_header(self.entries, metadata)
         self._chunk = writeback_chunk
         self._started = 0  # bytes handed to the kernel's writeback so far

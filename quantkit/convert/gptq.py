@@ -41,11 +41,20 @@ from quantkit.checkpoint.writer import work_folder, write_safetensors
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
+from quantkit.formats.quant_config import QuantizationArgs
 from quantkit.formats.recipe import Recipe
 
 WORK_DIR = ".quantkit-gptq"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+
+
+def _expert(rel: str) -> tuple[int, str]:
+    """(expert index, projection) of a routed expert's weight inside a decoder layer."""
+    m = _EXPERT.match(rel)
+    if m is None:
+        raise ValueError(f"{rel} is not a routed expert's projection")
+    return int(m.group(1)), m.group(2)
 
 
 @dataclass
@@ -55,7 +64,7 @@ class Target:
     module: str  # model.layers.N.<rel>
     rel: str  # name inside the decoder layer
     group_size: int
-    args: object  # compressed-tensors QuantizationArgs
+    args: QuantizationArgs  # formats/quant_config.py's, converted to compressed-tensors' for llm-compressor
 
 
 @dataclass
@@ -126,14 +135,18 @@ def gptq_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict
             m = _LAYER.match(action.module)
             if m is None or int(m.group(1)) >= layers:
                 continue
-            scheme = recipe.config.config_groups[action.group]
-            out.setdefault(int(m.group(1)), []).append(Target(action.module, m.group(2), action.group_size, scheme.weights))
+            assert action.group is not None and action.group_size is not None  # every INT4 action has them
+            args = recipe.config.config_groups[action.group].weights
+            assert args is not None
+            out.setdefault(int(m.group(1)), []).append(Target(action.module, m.group(2), action.group_size, args))
     return dict(sorted(out.items()))
 
 
 def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
     """Identifies the calibration: the token ids and the algorithm's settings (a resumed run must use the same)."""
-    h = hashlib.sha256((recipe.gptq or recipe.signround).model_dump_json().encode())
+    settings = recipe.gptq or recipe.signround
+    assert settings is not None  # only a calibrated recipe has calibration batches
+    h = hashlib.sha256(settings.model_dump_json().encode())
     for b in batches:
         h.update(json.dumps(list(b.shape)).encode())
         h.update(b.to(torch.int64).numpy().tobytes())
@@ -251,7 +264,8 @@ def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor
     with safe_open(str(path), framework="pt") as f:
         for t in targets:
             name = f"{t.module}.weight"
-            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), tuple(state[name].shape))
+            rows, cols = state[name].shape
+            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), (rows, cols))
             weight = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
             state[name] = weight.to(state[name].device)
 
@@ -297,7 +311,7 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
     routed: dict[int, int] = {}
     if experts:
         experts_module = layer.get_submodule("mlp.experts")
-        wanted = sorted({int(_EXPERT.match(t.rel).group(1)) for t in experts})
+        wanted = sorted({_expert(t.rel)[0] for t in experts})
         handles.append(experts_module.register_forward_pre_hook(
             lambda mod, args: _expert_hessians(mod, args, wanted, cal, hessians, routed)))
     try:
@@ -307,12 +321,12 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
         for h in handles:
             h.remove()
 
-    jobs = []  # (target, hessian key, tokens, reason)
+    jobs: list[tuple[Target, object, int, str | None]] = []  # (target, hessian key, tokens, reason)
     for t in dense:
         tokens = hessians.tokens.get(t.rel, 0)
         jobs.append((t, t.rel, tokens, None) if tokens else (t, None, 0, "not reached by the calibration forward"))
     for t in experts:
-        e, proj = int(_EXPERT.match(t.rel).group(1)), _EXPERT.match(t.rel).group(2)
+        e, proj = _expert(t.rel)
         tokens = routed.get(e, 0)
         if cal.experts == "all":
             key = "all_tokens" if proj != "down" else (e, "down")
@@ -441,7 +455,8 @@ def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):
     scale = torch.stack([int4.quantize_int4(w, gs)[1] for w in ws])  # from the weights as decoded (model dtype)
     args = target.args.model_copy(update={"actorder": settings.actorder}).to_compressed_tensors()
     # fp32 in, as llm-compressor's prepare_batch stacks them: the result comes back in fp32 too
-    fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, torch.zeros_like(scale, dtype=torch.int8), None, args,
+    fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, torch.zeros_like(scale, dtype=torch.int8),
+                                           None, args,
                                            blocksize=settings.block_size, percdamp=settings.dampening_frac)
     # fq holds q * scale exactly in fp32, so dividing by the same scale gives q back exactly
     q = fq.div_(scale.float().repeat_interleave(gs, dim=-1)).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)

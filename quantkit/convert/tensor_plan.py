@@ -17,10 +17,10 @@ from enum import Enum
 from json.encoder import encode_basestring_ascii
 
 from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
+from quantkit.checkpoint.describe import described_by
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
-from quantkit.formats.describe import described_by
 from quantkit.formats.quant_config import QuantizationScheme
 from quantkit.formats.recipe import Recipe
 from quantkit.formats.shapes import check_group_size, expected_scale_shape
@@ -138,7 +138,8 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     for name, info in tensors.items():
         if name not in claimed:
             actions.append(
-                Action(ActionKind.COPY, name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype, info.shape),), "other")
+                Action(ActionKind.COPY, name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype,
+                                                                                        info.shape),), "other")
             )
 
     # Source order: by file, then position in it, so reads stay sequential.
@@ -205,13 +206,14 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             )
         if scale_inv.dtype not in FLOAT_CODES:
             raise QuantkitError(f"scale dtype {scale_inv.dtype} is not a float", where(scale_inv), scale_inv.name)
-        encoding, sources = "fp8_block", (weight.name, scale_inv.name)
+        encoding, sources = "fp8_block", (weight.name, scale_inv.name)  # type: tuple[str, tuple[str, ...]]
     elif weight.dtype in FLOAT_CODES:
         if scale_inv is not None:
             raise QuantkitError(f"weight_scale_inv beside a {weight.dtype} weight", where(scale_inv), scale_inv.name)
         encoding, sources = "float", (weight.name,)
     else:
-        return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype, weight.shape),), "other")
+        return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype,
+                                                                             weight.shape),), "other")
 
     match = _recipe_group(recipe, module, is_linear_weight(weight.name, len(weight.shape)), where(weight), weight.name)
     if match is None:
@@ -221,15 +223,16 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
 
     group, scheme = match
     _check_linear(weight, ckpt)
-    if _is_int4_group(scheme):
+    weights = scheme.weights
+    if weights is not None and _is_int4_group(scheme):
         gs = _group_size(scheme, weight, ckpt, recipe)
-        sym = scheme.weights.symmetric
+        sym = weights.symmetric
         return Action(ActionKind.INT4, module, sources, _int4_outputs(module, weight.shape, gs, dtype, sym), encoding,
                       group, gs, symmetric=sym)
-    if _is_fp8_block(scheme):
-        if tuple(scheme.weights.block_structure) != tuple(block):
+    if weights is not None and _is_fp8_block(scheme):
+        if tuple(weights.block_structure or ()) != tuple(block):
             raise QuantkitError(
-                f"recipe group {group} asks blocks {scheme.weights.block_structure}, source has {list(block)}",
+                f"recipe group {group} asks blocks {weights.block_structure}, source has {list(block)}",
                 where(weight),
                 weight.name,
             )
@@ -259,7 +262,8 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     sources = (packed.name, scale.name, params["weight_shape"].name)
     src = source_ct.scheme_for(module, True) if source_ct else None
     if src is None or not _is_int4_group(src[1]):
-        raise QuantkitError("packed INT4 weight that the source's quantization_config does not describe", path, packed.name)
+        raise QuantkitError("packed INT4 weight that the source's quantization_config does not "
+                            "describe", path, packed.name)
     src_scheme = src[1]
     if src_scheme.weights.strategy == "group":
         out_shape = (packed.shape[0], scale.shape[1] * src_scheme.weights.group_size)
@@ -269,28 +273,31 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     match = _recipe_group(recipe, module, True, path, packed.name)
     weight_name = f"{module}.weight"
     if match is None:
-        return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),), "int4_packed",
+        return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),),
+                      "int4_packed",
             source_group_size=src_gs,
         )
     group, scheme = match
-    if not _is_int4_group(scheme):
+    weights = scheme.weights
+    if weights is None or not _is_int4_group(scheme):
         raise QuantkitError(f"recipe group {group} re-quantizes an INT4 source to a non-INT4 scheme", path, packed.name)
-    if scheme.weights.model_dump() == src_scheme.weights.model_dump():
+    if weights.model_dump() == src_scheme.weights.model_dump():
         outputs = tuple(
             OutputTensor(params[p].name, params[p].dtype, params[p].shape)
             for p in ("weight_packed", "weight_scale", "weight_shape")
         )
         return Action(ActionKind.INT4_KEEP, module, sources, outputs, "int4_packed", group, src_gs, src_gs)
-    gs = scheme.weights.group_size or out_shape[1]
+    gs = weights.group_size or out_shape[1]
     problem = check_group_size(out_shape[1], gs)
     if problem:
         raise QuantkitError(problem, path, packed.name)
-    sym = scheme.weights.symmetric
+    sym = weights.symmetric
     return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype, sym),
                   "int4_packed", group, gs, src_gs, symmetric=sym)
 
 
-def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: str) -> tuple[str, QuantizationScheme] | None:
+def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: str) -> tuple[str,
+                                                                                            QuantizationScheme] | None:
     """The one recipe group that targets ``module``, or None; two groups claiming it are refused
     (engines disagree on which one wins: compressed-tensors the first, vLLM the most specific)."""
     matches = recipe.groups_for(module, is_linear)

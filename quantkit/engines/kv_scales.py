@@ -54,7 +54,8 @@ BACKENDS = (
                "divides the latent by k_scale before the MLA pool's write and multiplies the scores by k_scale",
                f"{_ATT}/triton_backend.py:1721-1733, 2325-2330 (write), 1835-1836, 2368-2369 (read)"),
     BackendUse("sglang", SGLANG_VERSION, "mla", "fa3", "unused",
-               "the MLA pool's write is a plain cast and descales are passed only for head_dim <= 256 (MLA's latent is 576)",
+               "the MLA pool's write is a plain cast and descales are passed only for head_dim <= 256 (MLA's latent "
+               "is 576)",
                f"{_POOL}:4970-4971, 5014-5024; {_ATT}/flashattention_backend.py:1426-1434"),
     BackendUse("sglang", SGLANG_VERSION, "mla", "flashinfer", "unused",
                "writes through the MLA pool's plain cast and never reads k_scale",
@@ -98,7 +99,8 @@ def engine_usage(config: dict) -> dict[str, str]:
     for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
         rules = loader_rules(engine, config.get("model_type"))
         if rules is None:
-            usage[f"{engine} {version}"] = f"loader of model_type {config.get('model_type')!r} not traced in its source: unknown"
+            usage[f"{engine} {version}"] = (f"loader of model_type {config.get('model_type')!r} not traced in its "
+                                            "source: unknown")
             continue
         rule, parameter = rules.place(scale_names(0)[0], config)
         if parameter is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from quantkit.checkpoint.config import quantization
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 # The suffixes a Linear's parameters carry across the formats quantkit reads and writes: unquantized,
@@ -68,7 +69,7 @@ def _is_moe_layer(config: dict, layer: int) -> bool:
 def _declares_static_fp8_kv(config: dict) -> bool:
     # sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py:212-225 and :1276-1285: the
     # k/v_scale parameters exist only for a static, symmetric, per-tensor 8-bit float kv_cache_scheme.
-    scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme") or {}
+    scheme = quantization(config).kv_cache_scheme
     return (scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("strategy") == "tensor"
             and scheme.get("symmetric", True) and not scheme.get("dynamic", False))
 
@@ -135,7 +136,8 @@ _SGLANG_DEEPSEEK = LoaderRules(
         NameRule(rf"{_L}\.self_attn\.q_proj\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545", Condition(q_lora=False)),
         NameRule(rf"{_L}\.self_attn\.(q_b_proj|kv_b_proj|o_proj)\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545"),
         NameRule(rf"{_L}\.self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight", r"\g<0>", f"{_SG_DS}:528-545"),
-        NameRule(rf"{_L}\.self_attn\.(?P<kv>[kv])_proj\.(?P=kv)_scale", r"model.layers.\g<layer>.self_attn.attn_mqa.\g<kv>_scale",
+        NameRule(rf"{_L}\.self_attn\.(?P<kv>[kv])_proj\.(?P=kv)_scale",
+                 r"model.layers.\g<layer>.self_attn.attn_mqa.\g<kv>_scale",
                  f"{_SG_DS}:515-523; attn_mqa is a RadixAttention (sglang/srt/models/deepseek_v2.py:2183) whose "
                  "k/v_scale exist only with a static FP8 kv_cache_scheme "
                  "(sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py:212-225)",
@@ -146,18 +148,22 @@ _SGLANG_DEEPSEEK = LoaderRules(
                  r"model.layers.\g<layer>.self_attn.indexer.wk_weights_proj.weight", f"{_SG_DS}:115-177, 361-370",
                  Condition(indexer=True)),
         NameRule(rf"{_L}\.self_attn\.indexer\.wq_b\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545", Condition(indexer=True)),
-        NameRule(rf"{_L}\.self_attn\.indexer\.k_norm\.(weight|bias)", r"\g<0>", f"{_SG_DS}:528-545", Condition(indexer=True)),
-        NameRule(rf"{_L}\.mlp\.experts\.{_E}\.(gate_proj|up_proj)\.{_LINEAR}", r"model.layers.\g<layer>.mlp.experts.w13_\g<p>",
+        NameRule(rf"{_L}\.self_attn\.indexer\.k_norm\.(weight|bias)", r"\g<0>", f"{_SG_DS}:528-545",
+                 Condition(indexer=True)),
+        NameRule(rf"{_L}\.mlp\.experts\.{_E}\.(gate_proj|up_proj)\.{_LINEAR}",
+                 r"model.layers.\g<layer>.mlp.experts.w13_\g<p>",
                  f"{_SG_DS}:265-270, 401-425; sglang/srt/layers/moe/fused_moe_triton/layer.py:1797-1822",
                  Condition(moe=True)),
         NameRule(rf"{_L}\.mlp\.experts\.{_E}\.down_proj\.{_LINEAR}", r"model.layers.\g<layer>.mlp.experts.w2_\g<p>",
                  f"{_SG_DS}:265-270, 401-425; sglang/srt/layers/moe/fused_moe_triton/layer.py:1797-1822",
                  Condition(moe=True)),
-        NameRule(rf"{_L}\.mlp\.gate\.(weight|e_score_correction_bias)", r"\g<0>", f"{_SG_DS}:528-545", Condition(moe=True)),
+        NameRule(rf"{_L}\.mlp\.gate\.(weight|e_score_correction_bias)", r"\g<0>", f"{_SG_DS}:528-545",
+                 Condition(moe=True)),
         NameRule(rf"{_L}\.mlp\.shared_experts\.(gate_proj|up_proj)\.{_LINEAR}",
                  r"model.layers.\g<layer>.mlp.shared_experts.gate_up_proj.\g<p>", f"{_SG_DS}:257-261, 372-399",
                  Condition(moe=True)),
-        NameRule(rf"{_L}\.mlp\.shared_experts\.down_proj\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545", Condition(moe=True)),
+        NameRule(rf"{_L}\.mlp\.shared_experts\.down_proj\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545",
+                 Condition(moe=True)),
         NameRule(rf"{_L}\.mlp\.(gate_proj|up_proj)\.{_LINEAR}", r"model.layers.\g<layer>.mlp.gate_up_proj.\g<p>",
                  f"{_SG_DS}:257-261, 372-399", Condition(moe=False)),
         NameRule(rf"{_L}\.mlp\.down_proj\.{_LINEAR}", r"\g<0>", f"{_SG_DS}:528-545", Condition(moe=False)),
@@ -202,8 +208,10 @@ _VLLM_DEEPSEEK = LoaderRules(
         NameRule(rf"{_L}\.self_attn\.indexer\.(wk|weights_proj)\.{_LINEAR}",
                  r"model.layers.\g<layer>.self_attn.indexer.wk_weights_proj.\g<p>", f"{_VL_DS}:1614-1618, 1676-1711",
                  Condition(indexer=True)),
-        NameRule(rf"{_L}\.self_attn\.indexer\.wq_b\.{_LINEAR}", r"\g<0>", f"{_VL_DS}:1800-1826", Condition(indexer=True)),
-        NameRule(rf"{_L}\.self_attn\.indexer\.k_norm\.(weight|bias)", r"\g<0>", f"{_VL_DS}:1800-1826", Condition(indexer=True)),
+        NameRule(rf"{_L}\.self_attn\.indexer\.wq_b\.{_LINEAR}", r"\g<0>", f"{_VL_DS}:1800-1826",
+                 Condition(indexer=True)),
+        NameRule(rf"{_L}\.self_attn\.indexer\.k_norm\.(weight|bias)", r"\g<0>", f"{_VL_DS}:1800-1826",
+                 Condition(indexer=True)),
         NameRule(rf"{_L}\.mlp\.experts\.{_E}\.(gate_proj|up_proj)\.{_LINEAR}",
                  r"model.layers.\g<layer>.mlp.experts.routed_experts.w13_\g<p>",
                  f"{_VL_DS}:1627-1638, 1763-1799; vllm/model_executor/layers/fused_moe/routed_experts.py:1219-1225",
@@ -212,11 +220,13 @@ _VLLM_DEEPSEEK = LoaderRules(
                  r"model.layers.\g<layer>.mlp.experts.routed_experts.w2_\g<p>",
                  f"{_VL_DS}:1627-1638, 1763-1799; vllm/model_executor/layers/fused_moe/routed_experts.py:1219-1225",
                  Condition(moe=True)),
-        NameRule(rf"{_L}\.mlp\.gate\.(weight|e_score_correction_bias)", r"\g<0>", f"{_VL_DS}:1800-1826", Condition(moe=True)),
+        NameRule(rf"{_L}\.mlp\.gate\.(weight|e_score_correction_bias)", r"\g<0>", f"{_VL_DS}:1800-1826",
+                 Condition(moe=True)),
         NameRule(rf"{_L}\.mlp\.shared_experts\.(gate_proj|up_proj)\.{_LINEAR}",
                  r"model.layers.\g<layer>.mlp.shared_experts.gate_up_proj.\g<p>", f"{_VL_DS}:1595-1598, 1676-1711",
                  Condition(moe=True)),
-        NameRule(rf"{_L}\.mlp\.shared_experts\.down_proj\.{_LINEAR}", r"\g<0>", f"{_VL_DS}:1800-1826", Condition(moe=True)),
+        NameRule(rf"{_L}\.mlp\.shared_experts\.down_proj\.{_LINEAR}", r"\g<0>", f"{_VL_DS}:1800-1826",
+                 Condition(moe=True)),
         NameRule(rf"{_L}\.mlp\.(gate_proj|up_proj)\.{_LINEAR}", r"model.layers.\g<layer>.mlp.gate_up_proj.\g<p>",
                  f"{_VL_DS}:1595-1598, 1676-1711", Condition(moe=False)),
         NameRule(rf"{_L}\.mlp\.down_proj\.{_LINEAR}", r"\g<0>", f"{_VL_DS}:1800-1826", Condition(moe=False)),
@@ -239,7 +249,8 @@ _SGLANG_LLAMA = LoaderRules(
         NameRule(r"(model\.embed_tokens|model\.norm|lm_head)\.weight", r"\g<0>", f"{_SG_LL}:764-778"),
         NameRule(rf"{_L}\.(input_layernorm|post_attention_layernorm)\.weight", r"\g<0>", f"{_SG_LL}:764-778"),
         NameRule(rf"{_L}\.self_attn\.rotary_emb\.inv_freq", None, f"{_SG_LL}:735-736", note="computed, not loaded"),
-        NameRule(rf"{_L}\.self_attn\.(q_proj|k_proj|v_proj)\.{_LINEAR}", r"model.layers.\g<layer>.self_attn.qkv_proj.\g<p>",
+        NameRule(rf"{_L}\.self_attn\.(q_proj|k_proj|v_proj)\.{_LINEAR}",
+                 r"model.layers.\g<layer>.self_attn.qkv_proj.\g<p>",
                  f"{_SG_LL}:709-714, 751-763"),
         NameRule(rf"{_L}\.self_attn\.o_proj\.{_LINEAR}", r"\g<0>", f"{_SG_LL}:764-778"),
         NameRule(_LLAMA_SCALE, r"model.layers.\g<layer>.self_attn.attn.\g<kv>\g<bare>_scale",
@@ -257,12 +268,14 @@ _VLLM_LLAMA = LoaderRules(
     "vllm", VLLM_VERSION, "LlamaForCausalLM (AutoWeightsLoader)", ("llama",),
     "raises ValueError 'There is no module or parameter named ...' (vllm/model_executor/models/utils.py:430-448)",
     (
-        NameRule(r"(model\.embed_tokens|model\.norm|lm_head)\.weight", r"\g<0>", "vllm/model_executor/models/utils.py:450-475"),
+        NameRule(r"(model\.embed_tokens|model\.norm|lm_head)\.weight", r"\g<0>",
+                 "vllm/model_executor/models/utils.py:450-475"),
         NameRule(rf"{_L}\.(input_layernorm|post_attention_layernorm)\.weight", r"\g<0>",
                  "vllm/model_executor/models/utils.py:450-475"),
         NameRule(rf"{_L}\.self_attn\.rotary_emb\.inv_freq", None, "vllm/model_executor/models/utils.py:471",
                  note="computed, not loaded"),
-        NameRule(rf"{_L}\.self_attn\.(q_proj|k_proj|v_proj)\.{_LINEAR}", r"model.layers.\g<layer>.self_attn.qkv_proj.\g<p>",
+        NameRule(rf"{_L}\.self_attn\.(q_proj|k_proj|v_proj)\.{_LINEAR}",
+                 r"model.layers.\g<layer>.self_attn.qkv_proj.\g<p>",
                  f"{_VL_LL}:348-357"),
         NameRule(rf"{_L}\.self_attn\.o_proj\.{_LINEAR}", r"\g<0>", "vllm/model_executor/models/utils.py:450-475"),
         NameRule(_LLAMA_SCALE, r"model.layers.\g<layer>.self_attn.attn.\g<kv>\g<bare>_scale",

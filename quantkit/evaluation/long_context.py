@@ -14,6 +14,8 @@ import json
 import random
 import re
 
+from quantkit.errors import QuantkitError
+
 NEEDLE_TASK = re.compile(r"^needle_([1-9]\d{0,3})k$")  # a bounded parse: never thousands of digits
 MAX_K = 1024  # needle_1024k: a million tokens, more than any model quantkit converts reads at once
 KEYS = 4
@@ -30,14 +32,18 @@ def is_needle_task(task: str) -> bool:
 
 
 def context_tokens(task: str) -> int:
-    return int(NEEDLE_TASK.match(task).group(1)) * 1024
+    m = NEEDLE_TASK.match(task)
+    if m is None:
+        raise QuantkitError(f"{task} is not a needle_<N>k task")
+    return int(m.group(1)) * 1024
 
 
 def needle_spec() -> dict:
     """The lm-eval task fields of every needle_<N>k task (its data file comes from ``needle_items``)."""
     return {
         "output_type": "generate_until",
-        "doc_to_text": "{{context}}\n\nQuestion: What is the access code of {{name}}?\nAnswer: The access code of {{name}} is",
+        "doc_to_text": "{{context}}\n\nQuestion: What is the access code of {{name}}?\nAnswer: The access code of "
+                       "{{name}} is",
         "doc_to_target": "{{code}}",
         "metric": "exact_match",
         "until": ["\n"],
@@ -61,9 +67,10 @@ def needle_items(task: str, tokenizer) -> list[dict]:
     for _ in range(ITEMS):
         names = rng.sample(NAMES, KEYS)
         codes = [f"{rng.randrange(10_000, 100_000)}" for _ in names]
-        needles = [f"The access code of {n} is {c}." for n, c in zip(names, codes)]
+        needles = [f"The access code of {n} is {c}." for n, c in zip(names, codes, strict=False)]
         budget = total - sum(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in needles) - 48
-        text, used = [], 0
+        text: list[str] = []
+        used = 0
         start = rng.randrange(len(filler))
         while used < budget:
             at = (start + len(text)) % len(filler)
@@ -88,5 +95,6 @@ def _filler_sentences() -> list[str]:
     sentences = []
     for line in DEFAULT_DATA.read_text().splitlines():
         question = json.loads(line)["text"].split("\n")[0]
-        sentences += [s.strip() + "." for s in question.split(".") if len(s.strip()) > 20 and not re.search(r"\d{5}", s)]
+        sentences += [s.strip() + "." for s in question.split(".") if len(s.strip()) > 20 and not re.search(r"\d{5}",
+                                                                                                            s)]
     return sentences

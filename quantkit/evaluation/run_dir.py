@@ -32,6 +32,8 @@ def seeded_order(population: int) -> list[int]:
     return np.random.default_rng(ORDER_SEED).permutation(population).tolist()
 
 
+Order = Literal["file", "seeded"]  # the items in the data file's order, or in seeded_order(population)
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -41,7 +43,7 @@ class TaskIdentity(_Strict):
     num_fewshot: int = 0
     limit: int | None = None
     items: int | None = None  # items scored: the first `limit` of the data (in `order`), or all of it
-    order: Literal["file", "seeded"] = "file"  # seeded: the items in seeded_order(population)
+    order: Order = "file"  # seeded: the items in seeded_order(population)
     population: int | None = None  # items in the task's data
     cluster_key: str | None = None  # the data field each record's cluster is (MMLU: subject)
 

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from quantkit.errors import QuantkitError
 
@@ -126,13 +127,14 @@ class SGLangServer:
         self.url = f"http://{spec.host}:{spec.port}"
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
-        self._previous_sigterm = None
+        self._previous_sigterm: Any = None
 
     def __enter__(self) -> str:
         try:  # never through a link planted at RUN_DIR/server.log
             log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab")
         except OSError as exc:
-            raise QuantkitError(f"cannot write the server log ({exc.strerror}; a link is refused)", self.log_path) from exc
+            raise QuantkitError(f"cannot write the server log ({exc.strerror}; a link is "
+                                f"refused)", self.log_path) from exc
         log.write(f"$ {shlex.join(self.command)}\n".encode())
         log.flush()
         try:

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantkit.packaged import suite_path
+from quantkit.packaged import evaldata_dir, suite_path
 from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "evaldata"
+DATA = evaldata_dir()
 SUITE = "small-model"  # built-in (quantkit.suites)
 CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "int4-gptq": "dense-mlp-w4a16-gptq-g32", "int4-budget": None,
               "fp8": "dense-fp8-block"}
@@ -57,6 +57,7 @@ class DemoResult:
 
 def demo(
     workdir: str | os.PathLike = "quantkit-demo",
+    *,
     arc_items: int = 500,
     gsm8k_items: int = 16,
     source_model: str | os.PathLike | None = None,
@@ -124,6 +125,6 @@ def _slice(src: Path, dst: Path, n: int) -> None:
     """The first N items of a test set (the same N items on every run: the gate pairs them)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(src) as f:
-        text = "".join(line for _, line in zip(range(n), f))
+        text = "".join(line for _, line in zip(range(n), f, strict=False))
     if not dst.is_file() or dst.read_text() != text:
         dst.write_text(text)

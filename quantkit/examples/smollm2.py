@@ -68,7 +68,7 @@ def smollm2_checkpoint(out: str | Path, cache: Path | None = None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers keeps a GGUF quantizer attached; detach it to save plain weights.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = out.with_name(out.name + ".partial")
@@ -91,7 +91,8 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
     from safetensors import safe_open
 
     from quantkit.checkpoint.writer import write_safetensors
-    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
+    from quantkit.examples.fp8_release import release_encoding
+    from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG
 
     bf16, out = Path(bf16), Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):

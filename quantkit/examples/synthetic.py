@@ -18,7 +18,8 @@ from quantkit.checkpoint.families import mtp_extra_shapes
 from quantkit.checkpoint.reader import INDEX_NAME
 from quantkit.checkpoint.writer import write_safetensors
 from quantkit.errors import QuantkitError
-from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG, release_encoding
+from quantkit.examples.fp8_release import release_encoding
+from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG
 from quantkit.modeling import unfuse_experts
 
 FAMILIES = ("glm_moe_dsa", "deepseek_v3", "llama")
@@ -78,7 +79,10 @@ def _mtp_layer(family: str, cfg_kwargs: dict, seed: int) -> dict[str, torch.Tens
     extra = {}
     for name, shape in mtp_extra_shapes(cfg_kwargs).items():
         # norms near 1, projections and embeddings at the init scale of the rest
-        extra[name] = 1 + torch.randn(shape, generator=gen) * 0.1 if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
+        if len(shape) == 1:
+            extra[name] = 1 + torch.randn(shape, generator=gen) * 0.1
+        else:
+            extra[name] = torch.randn(shape, generator=gen) * 0.02
     layer.update({prefix + k: v.to(torch.bfloat16) for k, v in extra.items()})
     return layer
 

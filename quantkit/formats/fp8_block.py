@@ -25,7 +25,8 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
 def dequantize_fp8_block(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype=torch.bfloat16
 ) -> torch.Tensor:
-    out, inn = shape = tuple(weight.shape)
+    out, inn = weight.shape
+    shape = (out, inn)
     w = weight.to(torch.float32, copy=True)  # mutated below: never alias the caller's tensor
     scale = scale_inv.to(torch.float32)
     if out % block[0] == 0 and inn % block[1] == 0:
@@ -45,14 +46,3 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     scale_inv = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
     q = (w / _expand(scale_inv, (out, inn), block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale_inv
-
-
-def release_encoding(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One tensor as a block-FP8 release stores it: FP8 + ``weight_scale_inv`` where such releases
-    quantize (families.release_stores_fp8), unchanged elsewhere."""
-    from quantkit.checkpoint.families import release_stores_fp8
-
-    if not release_stores_fp8(name, tensor.ndim):
-        return {name: tensor}
-    q, scale_inv = quantize_fp8_block(tensor)
-    return {name: q, name.removesuffix(".weight") + ".weight_scale_inv": scale_inv}

@@ -219,7 +219,7 @@ def preset_scheme(name: str, targets: list[str]) -> QuantizationScheme:
     """compressed-tensors' ``preset_name_to_scheme``."""
     preset = PRESETS.get(name.upper())
     if preset is not None:
-        return QuantizationScheme(targets=targets, **preset)
+        return QuantizationScheme.model_validate({"targets": targets, **preset})
     from compressed_tensors.quantization import preset_name_to_scheme
 
     return QuantizationScheme.model_validate(preset_name_to_scheme(name, targets).model_dump(mode="json"))

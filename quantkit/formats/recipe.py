@@ -5,9 +5,10 @@ A recipe is the QuantizationModifier, GPTQModifier or AutoRoundModifier of an ll
 ``block_size``, ``dampening_frac``, ``actorder``; AutoRound (SignRound) ``iters``, ``lr``,
 ``batch_size``, ``enable_torch_compile``), so a user's existing recipe works. Both need calibration
 data, which llm-compressor takes from ``oneshot``'s arguments; a quantkit recipe carries it in a
-top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader passes over. We parse the YAML ourselves rather than import llm-compressor (seconds of import
-time for a dictionary walk), into formats/quant_config.py's models, which parse as compressed-tensors
-does without importing it; tests hold the result equal to llm-compressor's and compressed-tensors' own.
+top-level ``quantkit_calibration`` mapping, a key llm-compressor's recipe loader passes over. We parse the
+YAML ourselves rather than import llm-compressor (seconds of import time for a dictionary walk), into
+formats/quant_config.py's models, which parse as compressed-tensors does without importing it; tests hold the
+result equal to llm-compressor's and compressed-tensors' own.
 """
 
 from __future__ import annotations

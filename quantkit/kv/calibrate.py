@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
+from quantkit.checkpoint.config import Quantization, quantization
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import LOCK_NAME, folder_lock
@@ -25,6 +26,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
 from quantkit.kv.hooks import KVObserver, kv_hooks
 from quantkit.layerwise import LayerWalk
+from quantkit.settings import CALIBRATE
 
 SCALES_SHARD = "kv-scales.safetensors"
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
@@ -49,14 +51,15 @@ class KVCalibrationResult:
 
 def calibrate_kv(
     model: str | os.PathLike,
+    *,
     out: str | os.PathLike | None = None,
     in_place: bool = False,
     data: str | os.PathLike | None = None,
-    text_field: str = "text",
-    samples: int = 512,
-    seq_len: int = 2048,
-    batch_size: int = 4,
-    device: str = "auto",
+    text_field: str = CALIBRATE.text_field,
+    samples: int = CALIBRATE.samples,
+    seq_len: int = CALIBRATE.seq_len,
+    batch_size: int = CALIBRATE.batch_size,
+    device: str = CALIBRATE.device,
     batches: list[torch.Tensor] | None = None,
 ) -> KVCalibrationResult:
     """Calibrate MODEL's FP8 KV scales; write them to OUT (a copy of MODEL) or into MODEL.
@@ -71,12 +74,12 @@ def calibrate_kv(
     ckpt = open_checkpoint(src)
     family = detect_family(ckpt.config)
     if "num_attention_heads" not in ckpt.config or not _known_attention(ckpt.config):
-        raise QuantkitError(f"no attention layers quantkit knows in model_type {ckpt.config.get('model_type')!r}", src / "config.json")
-    dst = src if in_place else Path(out)
+        raise QuantkitError(f"no attention layers quantkit knows in model_type "
+                            f"{ckpt.config.get('model_type')!r}", src / "config.json")
+    dst = src if in_place or out is None else Path(out)
     if not in_place:
         _check_out(src, dst)
-    config = dict(ckpt.config, quantization_config=_with_kv_scheme(ckpt.config.get("quantization_config"),
-                                                                   src / "config.json"))
+    config = dict(ckpt.config, quantization_config=_with_kv_scheme(quantization(ckpt.config, src / "config.json")))
     dev = resolve_device(device)
     if batches is not None:
         seq_len = int(batches[0].shape[1])
@@ -158,8 +161,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     src = ckpt.root
     if config is None:
-        config = dict(ckpt.config, quantization_config=_with_kv_scheme(ckpt.config.get("quantization_config"),
-                                                                       src / "config.json"))
+        config = dict(ckpt.config, quantization_config=_with_kv_scheme(quantization(ckpt.config, src / "config.json")))
     if copy:
         _check_out(src, dst)
         dst.mkdir(parents=True, exist_ok=True)
@@ -199,25 +201,26 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
         manifest.save(dst)
 
     json_path = dst / "kv_scales.json"
-    record = {"attention": attention, "observed": "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V",
+    observed = "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V"
+    record: dict = {"attention": attention, "observed": observed,
               "fp8_max": FP8_MAX, "engines": engine_usage(config),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention), record["engines"]
 
 
-def _with_kv_scheme(qc: dict | None, config_path: Path | None = None) -> dict:
+def _with_kv_scheme(q: Quantization) -> dict:
     """The quantization_config with the static FP8 KV-cache scheme (formats/quant_config.py: the JSON
     compressed-tensors writes, as convert's is)."""
     from quantkit.formats.quant_config import QuantizationArgs, QuantizationConfig
 
     scheme = QuantizationArgs.model_validate(KV_CACHE_SCHEME)
-    if qc and qc.get("quant_method") == "compressed-tensors":
-        return dict(qc, kv_cache_scheme=scheme.model_dump(mode="json"))
-    if qc:
-        raise QuantkitError(f"cannot add KV scales to a {qc.get('quant_method')} quantization_config; convert first",
-                            config_path)
-    config = QuantizationConfig(config_groups={}, kv_cache_scheme=scheme, quantization_status="compressed", format="dense")
+    if q.method == "compressed-tensors":
+        return dict(q.raw, kv_cache_scheme=scheme.model_dump(mode="json"))
+    if q.raw:
+        raise QuantkitError(f"cannot add KV scales to a {q.method} quantization_config; convert first", q.path)
+    config = QuantizationConfig(config_groups={}, kv_cache_scheme=scheme, quantization_status="compressed",
+                                format="dense")
     return config.model_dump(mode="json")
 
 

@@ -10,6 +10,7 @@ The observer keeps a running max over every batch, never only the last.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -111,7 +112,7 @@ def kv_hooks(model_or_layers, attention: str, observer: KVObserver | None = None
         for cfg in configs.values():
             previous = cfg._attn_implementation
             cfg._attn_implementation = _ATTN_NAME
-            restore.append(lambda c=cfg, p=previous: setattr(c, "_attn_implementation", p))
+            restore.append(functools.partial(setattr, cfg, "_attn_implementation", previous))
     try:
         yield
     finally:

@@ -86,9 +86,10 @@ def is_generative(task: str, *runs: dict[str, SampleRecord]) -> bool:
 
 def length_check(task: str, ids: list[str], b: dict[str, SampleRecord], c: dict[str, SampleRecord], limit: float,
                  confidence: float, rounds: int) -> BehaviourCheck:
-    tb = [b[i].generated_tokens for i in ids]
-    tc = [c[i].generated_tokens for i in ids]
-    ratios = [(y + 1) / (x + 1) for x, y in zip(tb, tc)]  # per answer; +1: an empty answer has a ratio too
+    tb = [b[i].generated_tokens or 0 for i in ids]  # every record has it: the gate refuses those without
+    tc = [c[i].generated_tokens or 0 for i in ids]
+    # per answer; +1: an empty answer has a ratio too
+    ratios = [(y + 1) / (x + 1) for x, y in zip(tb, tc, strict=True)]
 
     low, high = bootstrap_interval(ratios, confidence, rounds, seed=task)
     return BehaviourCheck(task=task, check="output length", n=len(ids), baseline=sum(tb) / len(ids),

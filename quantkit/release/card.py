@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quantkit
-from quantkit.checkpoint.config import is_moe
+from quantkit.checkpoint.config import is_moe, quantization
 from quantkit.engines.launch import SGLangLaunch, vllm_serve
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_run_record
@@ -38,8 +38,7 @@ FORMAT_WORDS = {"pack-quantized": "INT4 group-quantized (`pack-quantized`)",
 
 def _formats(config: dict) -> list[str]:
     """The compressed-tensors formats the checkpoint's groups use, in a fixed order."""
-    qc = config.get("quantization_config") or {}
-    used = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
+    used = quantization(config).group_formats()
     return [f for f in FORMAT_TAGS if f in used]
 
 
@@ -103,7 +102,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     after = inspect_checkpoint(dst)
     before = inspect_checkpoint(source) if source and (source / "config.json").is_file() else None
     config = json.loads((dst / "config.json").read_text())
-    fp8_kv = bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
+    fp8_kv = bool(quantization(config).kv_cache_scheme)
     name = repo.removeprefix("file://").rstrip("/").split("/")[-1] if repo.startswith("file://") else repo
     base_model = hub_id(base_model, "--base-model") if base_model is not None else _source_base_model(source_meta)
 
@@ -192,15 +191,18 @@ def _gate_section(verdict: GateReport | None) -> list[str]:
                      f"[{t.low:+.2f}, {t.high:+.2f}] | -{t.margin:g} | {'pass' if t.passed else 'FAIL'} |")
     for c in verdict.behaviour:
         if c.check == "output length":
-            lines.append(f"- {markdown_text(c.task)}, length of generated answers: {c.candidate:.1f} tokens against {c.baseline:.1f} "
+            lines.append(f"- {markdown_text(c.task)}, length of generated answers: {c.candidate:.1f} tokens against "
+                         f"{c.baseline:.1f} "
                          f"(x{c.estimate:.3f}, interval [x{c.low:.3f}, x{c.high:.3f}], limit x{c.limit:.2f})")
         else:
-            lines.append(f"- {markdown_text(c.task)}, runaway generations (length limit or loop): {c.candidate:.1f} % against "
+            lines.append(f"- {markdown_text(c.task)}, runaway generations (length limit or loop): {c.candidate:.1f} "
+                         f"% against "
                          f"{c.baseline:.1f} % ({c.estimate:+.2f} points, interval [{c.low:+.2f}, {c.high:+.2f}], "
                          f"limit +{c.limit:g})")
     by_task = {t.task: t for t in verdict.tasks}
     for f in verdict.noise:
-        lines.append(f"- {markdown_text(f.task)}, engine noise: the original flips {f.flip_rate:.1f} % of items between two runs of "
+        lines.append(f"- {markdown_text(f.task)}, engine noise: the original flips {f.flip_rate:.1f} % of items "
+                     f"between two runs of "
                      f"itself; this model {by_task[f.task].flip_rate:.1f} % against it "
                      f"({by_task[f.task].engine_noise})")
     return lines + [""]
@@ -210,7 +212,8 @@ def _provenance_section(manifest, verdict: GateReport | None) -> list[str]:
     lines = ["## Provenance", "", f"- quantkit {quantkit.__version__}"]
     if manifest is not None:
         lines += [f"- source fingerprint {markdown_code(manifest.source_fingerprint)}",
-                  f"- recipe {markdown_code(manifest.recipe_name)} (sha256 {markdown_code(manifest.recipe_sha256[:16] + '…')})"]
+                  f"- recipe {markdown_code(manifest.recipe_name)} (sha256 "
+                  f"{markdown_code(manifest.recipe_sha256[:16] + '…')})"]
     for role in ("baseline", "candidate"):
         run = Path(getattr(verdict, role)) if verdict else None
         if run is not None and (run / "run.json").is_file():

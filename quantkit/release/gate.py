@@ -52,6 +52,8 @@ DEFAULT_SUITE = "release"
 __all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_samples", "load_suite"]
 
 
+Decision = Literal["pass", "fail", "continue"]  # continue: undecided at a sequential look before the last
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,7 +82,8 @@ class _SuiteRules(_Strict):
 
     alpha: float = Field(default=0.05, gt=0, lt=1)
     correction: Literal["bonferroni", "none"] = "bonferroni"
-    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"], min_length=1)
+    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"],  # type: ignore[arg-type]
+                                                           min_length=1)
     loglik_margin: float = Field(default=0.1, ge=0)  # nats: the correct answer's log-likelihood may drop this much
     # Provenance fields the candidate may change besides its weights, because they ship with it
     # (the decode pool's FP8 KV cache: engine.args.kv_cache_dtype). Printed with every verdict.
@@ -137,7 +140,7 @@ class TaskVerdict(_Strict):
     regression: bool | None = None  # a failing task whose flips exceed the noise floor
     design_effect: float = 1.0  # clustered items: the interval is widened by its square root
     clusters: int | None = None
-    decision: Literal["pass", "fail", "continue"] = "fail"  # continue: undecided at a sequential look before the last
+    decision: Decision = "fail"  # continue: undecided at a sequential look before the last
     note: str | None = None  # why this n cannot certify the margin, when it cannot
 
 
@@ -167,7 +170,7 @@ class GateReport(_Strict):
     noise_run: str | None = None  # the A/A run of the baseline's model
     noise: list[NoiseFloor] = Field(default_factory=list)
     report_files: list[str] = Field(default_factory=list)
-    decision: Literal["pass", "fail", "continue"] = "fail"
+    decision: Decision = "fail"
     sequential: SequentialLook | None = None
 
 
@@ -204,6 +207,7 @@ def load_samples(run_dir: Path, record: RunRecord, task: str) -> dict[str, Sampl
 def gate(
     baseline: str | os.PathLike,
     candidate: str | os.PathLike,
+    *,
     suite: str | os.PathLike | None = None,
     margin: float | None = None,
     report_dir: str | os.PathLike | None = None,
@@ -223,13 +227,7 @@ def gate(
     except QuantkitError as exc:
         raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(Path(baseline)), read_run_record(Path(candidate))
-    base_meta, cand_meta = base_record.model_dump(), cand_record.model_dump()
-    all_diffs = provenance_differences(base_meta, cand_meta)
-    allowed = [d for d in all_diffs if d.split(":", 1)[0] in spec.may_differ]
-    looked = [d for d in all_diffs if spec.sequential and _LOOK_FIELD.match(d.split(":", 1)[0])]
-    diffs = [d for d in all_diffs if d not in allowed and d not in looked]
-    if diffs:
-        raise CannotCompare(f"runs differ in more than the model: {'; '.join(diffs[:5])}", candidate)
+    allowed = _allowed_differences(spec, base_record, cand_record, candidate)
     k = len(spec.tasks)
     alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha  # two-sided, per task
     look = _look(spec, base_record, cand_record, alpha / 2, candidate) if spec.sequential else None
@@ -245,15 +243,8 @@ def gate(
         verdict = _task_verdict(task, ids, b, c, task_margin, z, spec, clusters)
         verdict.decision = _decision(verdict, look)
         verdict.passed = verdict.decision == "pass"
-        if is_generative(task, b, c):
-            # the behaviour checks decide generative tasks: a record without their fields would switch them off
-            for run, rows in ((baseline, b), (candidate, c)):
-                if (item := missing_generation(rows)) is not None:
-                    raise CannotCompare(f"task {task}: item {item} has no generation record (tokens, limit, "
-                                        "repetition), which the behaviour checks need; re-run eval for this run", run)
-            behaviour += [length_check(task, ids, b, c, spec.length_limit, 1 - 2 * z_tail(z), spec.bootstrap_rounds),
-                          runaway_check(task, ids, b, c, spec.runaway_margin, z)]
-        if noise_record is not None:
+        behaviour += _behaviour_checks(task, ids, [(baseline, b), (candidate, c)], spec, z)
+        if noise is not None and noise_record is not None:
             again = load_samples(Path(noise), noise_record, task)
             _paired_items(task, b, again, noise)
             floor = noise_floor(task, ids, b, again)
@@ -270,7 +261,7 @@ def gate(
         confidence=1 - 2 * z_tail(z),
         correction=f"{spec.correction} over {k} tasks" if spec.correction == "bonferroni" else "none",
         tasks=verdicts,
-        candidate_checksums=dict(cand_meta.get("model_checksums") or {}),
+        candidate_checksums=dict(cand_record.model_checksums or {}),
         allowed_differences=allowed,
         behaviour=behaviour,
         noise_run=str(noise) if noise is not None else None,
@@ -282,12 +273,38 @@ def gate(
         from quantkit.release.report import write_gate_report
 
         if Path(report_dir).exists() and not Path(report_dir).is_dir():
-            raise CannotCompare("the report folder is a file", report_dir)
+            raise CannotCompare("the report folder is a file", Path(report_dir))
         report.report_files = [str(p) for p in write_gate_report(report, Path(report_dir))]
     return report
 
 
 _LOOK_FIELD = re.compile(r"^tasks\.[^.]+\.(limit|items|order)$")  # what a sequential look changes in a run
+
+
+def _allowed_differences(spec: Suite, base: RunRecord, cand: RunRecord, candidate) -> list[str]:
+    """The provenance differences of the two runs that the suite's ``may_differ`` allows; any other (a sequential
+    look's item count aside) refuses the comparison."""
+    found = provenance_differences(base.model_dump(), cand.model_dump())
+    allowed = [d for d in found if d.split(":", 1)[0] in spec.may_differ]
+    looked = [d for d in found if spec.sequential and _LOOK_FIELD.match(d.split(":", 1)[0])]
+    diffs = [d for d in found if d not in allowed and d not in looked]
+    if diffs:
+        raise CannotCompare(f"runs differ in more than the model: {'; '.join(diffs[:5])}", candidate)
+    return allowed
+
+
+def _behaviour_checks(task: str, ids: list[str], runs: list[tuple], spec: Suite, z: float) -> list[BehaviourCheck]:
+    """Length and runaway checks, which decide generative tasks: a record without their fields would switch them off,
+    so it is refused. ``runs``: (run folder, records) of the baseline and of the candidate."""
+    (_, b), (_, c) = runs
+    if not is_generative(task, b, c):
+        return []
+    for run, rows in runs:
+        if (item := missing_generation(rows)) is not None:
+            raise CannotCompare(f"task {task}: item {item} has no generation record (tokens, limit, "
+                                "repetition), which the behaviour checks need; re-run eval for this run", run)
+    return [length_check(task, ids, b, c, spec.length_limit, 1 - 2 * z_tail(z), spec.bootstrap_rounds),
+            runaway_check(task, ids, b, c, spec.runaway_margin, z)]
 
 
 def z_tail(z: float) -> float:
@@ -298,7 +315,9 @@ def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float,
     """Which look of the suite's plan the candidate's run is, and the alpha that look spends: every task's items are
     the seeded-order prefix at one and the same look (eval --order seeded --fraction t)."""
     plan = spec.sequential
-    index, items, population = None, 0, 0
+    assert plan is not None  # called for sequential suites only
+    index: int | None = None
+    items, population = 0, 0
     for task in spec.tasks:
         b, c = base.tasks.get(task), cand.tasks.get(task)
         if b is None or c is None or c.population is None or c.items is None:
@@ -316,12 +335,13 @@ def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float,
             raise CannotCompare("the tasks were evaluated at different looks; evaluate them at one --fraction",
                                 candidate)
         index, items, population = at, items + c.items, population + c.population
+    assert index is not None  # a suite gates at least one task
     alphas = look_alphas(alpha_one_sided, plan.looks, plan.spending)
     return SequentialLook(look=index + 1, looks=len(plan.looks), fraction=plan.looks[index], items=items,
                           population=population, alpha=alphas[index])
 
 
-def _decision(verdict: TaskVerdict, look: SequentialLook | None) -> str:
+def _decision(verdict: TaskVerdict, look: SequentialLook | None) -> Decision:
     """Pass when the interval's low end clears -margin; at a look before the last, fail only when its high end is
     below -margin (inferiority shown), else continue to the next look."""
     if verdict.passed:
@@ -353,7 +373,7 @@ def _clusters(task: str, spec: Suite, record: RunRecord, ids: list[str], b: dict
     missing = next((i for i in ids if b[i].cluster is None), None)
     if missing is not None:
         raise CannotCompare(f"task {task}: item {missing} has no cluster; re-run eval", baseline)
-    return [b[i].cluster for i in ids]
+    return [str(b[i].cluster) for i in ids]
 
 
 def _paired_items(task: str, b: dict[str, SampleRecord], c: dict[str, SampleRecord], other,
@@ -375,9 +395,9 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite, clusters: list[str] |
     n = len(ids)
     acc_b = [b[i].correct for i in ids]
     acc_c = [c[i].correct for i in ids]
-    effect = design_effect([y - x for x, y in zip(acc_b, acc_c)], clusters) if clusters else 1.0
+    effect = design_effect([y - x for x, y in zip(acc_b, acc_c, strict=False)], clusters) if clusters else 1.0
     delta, low, high = paired_binary_interval(acc_b, acc_c, z, effect)
-    discordant = sum(x != y for x, y in zip(acc_b, acc_c)) / n
+    discordant = sum(x != y for x, y in zip(acc_b, acc_c, strict=False)) / n
     certifiable = math.sqrt(effect) * certifiable_margin(n, discordant, z)
     needed = items_for_margin(margin / math.sqrt(effect), discordant, z)
     note = (f"cannot certify a {margin:g}-point margin with {n:,} items: at this discordance the interval alone "
@@ -422,4 +442,4 @@ def _kl(p_logits: list[float], q_logits: list[float]) -> float:
         return [v - s for v in x]
 
     lp, lq = log_softmax(p_logits), log_softmax(q_logits)
-    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lq))
+    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lq, strict=False))

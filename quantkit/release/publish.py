@@ -1,10 +1,10 @@
 """``publish``: ship a converted checkpoint, and only the one that was gated.
 
 The gate's verdict records the sha256 of every file the candidate ships (weights, config,
-tokenizer, code); publish hashes DST's files now and refuses unless they are the same files (or ``force_ungated``, which the card then says). It writes
-the model card into DST as README.md and uploads DST with huggingface_hub's resumable large-folder
-upload, or copies it to a local folder for a ``file://`` target. The token is huggingface_hub's
-business (HF_TOKEN or the stored login): quantkit never reads, prints or logs it.
+tokenizer, code); publish hashes DST's files now and refuses unless they are the same files (or
+``force_ungated``, which the card then says). It writes the model card into DST as README.md and uploads
+DST with huggingface_hub's resumable large-folder upload, or copies it to a local folder for a ``file://``
+target. The token is huggingface_hub's business (HF_TOKEN or the stored login): quantkit never reads, prints or logs it.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def _local_target(dst: Path, repo: str) -> Path:
         guarded.append(("its source checkpoint", Path(manifest.source_path).resolve()))
     for what, folder in guarded:
         if target == folder or folder in target.parents or target in folder.parents:
-            raise QuantkitError(f"the target is, or is inside or around, {what} ({folder}); choose a new folder", target)
+            raise QuantkitError(f"the target is, or is inside or around, {what} ({folder}); choose a new "
+                                f"folder", target)
     if target.exists() and not target.is_dir():
         raise QuantkitError("the target exists and is not a folder", target)
     return target

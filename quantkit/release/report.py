@@ -44,7 +44,7 @@ def length_plot(report, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(checks), 1, figsize=(6.5, 2.4 * len(checks) + 0.6), squeeze=False)
-    for ax, c in zip(axes[:, 0], checks):
+    for ax, c in zip(axes[:, 0], checks, strict=False):
         top = max(c.baseline_tokens + c.candidate_tokens + [1])
         bins = range(0, top + max(1, top // 30), max(1, top // 30))
         ax.hist(c.baseline_tokens, bins=bins, alpha=0.55, label=f"baseline (mean {c.baseline:.1f})", color="#4c72b0")
@@ -97,7 +97,8 @@ def _blocks(report) -> list[tuple]:
                 interval, limit = f"[x{c.low:.3f}, x{c.high:.3f}]", f"x{c.limit:.2f}"
             else:
                 base, cand = f"{c.baseline:.1f} %", f"{c.candidate:.1f} %"
-                estimate, interval, limit = f"{c.estimate:+.2f} pts", f"[{c.low:+.2f}, {c.high:+.2f}]", f"+{c.limit:g} pts"
+                estimate, limit = f"{c.estimate:+.2f} pts", f"+{c.limit:g} pts"
+                interval = f"[{c.low:+.2f}, {c.high:+.2f}]"
             rows.append([c.task, c.check, f"{c.n:,}", base, cand, estimate, interval, limit,
                          "pass" if c.passed else "FAIL"])
         blocks += [("h2", "Behaviour of generated answers"),
@@ -116,7 +117,8 @@ def _blocks(report) -> list[tuple]:
     decided = (f"Decided by: {', '.join(report.tasks[0].decided_by) if report.tasks else '-'}"
                f"{' and the behaviour checks' if report.behaviour else ''}.")
     if report.allowed_differences:
-        decided += f" The candidate also differs, as the suite allows, in: {visible('; '.join(report.allowed_differences))}."
+        allowed = visible("; ".join(report.allowed_differences))
+        decided += f" The candidate also differs, as the suite allows, in: {allowed}."
     return blocks + [("p", decided)]
 
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
+from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.errors import QuantkitError, field_error
-from quantkit.formats.quant_config import QuantizationConfig, match_name
+from quantkit.formats.quant_config import match_name
 from quantkit.formats.recipe import Recipe
 
 
@@ -26,13 +24,8 @@ class Mismatch:
 
 def described_by(ckpt: Checkpoint) -> Recipe | None:
     """The checkpoint's compressed-tensors quantization_config, read as a recipe for lookups."""
-    qc = ckpt.config.get("quantization_config") or {}
-    if qc.get("quant_method") != "compressed-tensors":
-        return None
-    try:
-        return Recipe("config", "", QuantizationConfig.model_validate(qc))
-    except ValidationError as exc:
-        raise QuantkitError(f"invalid quantization_config: {field_error(exc)}", ckpt.root / "config.json") from exc
+    config = quantization(ckpt.config, ckpt.root / "config.json").compressed()
+    return None if config is None else Recipe("config", "", config)
 
 
 def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
@@ -48,16 +41,19 @@ def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
             stored = "float"
         else:
             continue
-        match = described.scheme_for(module, True) if described else None
-        if match is None:
+        match = described.scheme_for(module, True) if described is not None else None
+        if described is None or match is None:
             if stored != "float":
                 found.append(Mismatch(name, f"{stored} tensor that no quantization_config group describes"))
             continue
-        others = [g for g, scheme in described.config.config_groups.items() if g != match[0] and _targets(scheme, module)]
+        others = [g for g, scheme in described.config.config_groups.items() if g != match[0] and _targets(scheme,
+                                                                                                          module)]
         if others:
-            found.append(Mismatch(name, f"matched by groups {match[0]} and {others[0]}: engines resolve overlaps differently"))
+            found.append(Mismatch(name, f"matched by groups {match[0]} and {others[0]}: engines resolve overlaps "
+                                        f"differently"))
         weights = match[1].weights
-        claimed = "int4" if weights.type == "int" and weights.num_bits == 4 else "fp8" if weights.num_bits == 8 else "other"
+        int4 = weights is not None and weights.type == "int" and weights.num_bits == 4
+        claimed = "int4" if int4 else "fp8" if weights is not None and weights.num_bits == 8 else "other"
         if claimed != stored:
             found.append(Mismatch(name, f"group {match[0]} says {claimed}, tensor is {stored}"))
     return found

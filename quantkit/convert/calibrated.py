@@ -1,0 +1,56 @@
+"""What a calibrated recipe (GPTQ, SignRound) adds to a conversion: its calibration tokens, whether the shards still
+to write need the layer walk, and the summary of what it did per weight and per layer."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from quantkit.checkpoint.manifest import Manifest
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.convert.tensor_plan import ActionKind
+from quantkit.errors import QuantkitError
+from quantkit.formats.recipe import Recipe
+
+
+def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):
+    """The calibration token batches of a GPTQ recipe: exactly ``samples`` x ``seq_len`` tokens, one
+    sequence per batch (llm-compressor oneshot's default, so Hessians sum in the same order)."""
+    from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
+
+    cal = rec.calibration
+    if cal is None:
+        raise QuantkitError(f"recipe {rec.name} is round-to-nearest: it takes no calibration data")
+    data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
+    limit = int(ckpt.config.get("max_position_embeddings") or cal.seq_len)
+    if cal.seq_len > limit:
+        raise QuantkitError(f"recipe {rec.name}: calibration seq_len {cal.seq_len} exceeds the model's context "
+                            f"({limit})", ckpt.root / "config.json")
+    return calibration_batches(data, cal.text_field, cal.samples, cal.seq_len, 1, lambda: model_tokenizer(ckpt.root),
+                               ckpt.config.get("vocab_size"), require_all=True)
+
+
+def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
+    from quantkit.convert import gptq
+
+    targets = {t.module for layer in gptq.gptq_targets(ckpt, plan, rec).values() for t in layer}
+    return any(a.module in targets for s in todo for a in s.actions)
+
+
+def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
+    """What GPTQ did, for the result and ``--json``: weights by method, each layer's loss, the experts' token counts."""
+    int4_modules = [a.module for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
+    records = manifest.gptq_modules
+    methods = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
+    experts = {m: records[m].tokens for m in int4_modules
+               if m in records and ".experts." in m and m.endswith("down_proj")}
+    return {
+        "weights_by_method": dict(methods),
+        "rtn_outside_calibration": sorted(m for m in int4_modules if m not in records),  # MTP layers
+        "rtn_reasons": dict(Counter(r.reason for r in records.values() if r.method == "rtn")),
+        "expert_tokens": {m.removesuffix(".down_proj"): n for m, n in experts.items()},
+        "layers": [vars(r) for r in quantized.layers] if quantized else [],
+        "algorithm": rec.algorithm,
+        "settings": (rec.gptq or rec.signround).model_dump(),
+    }

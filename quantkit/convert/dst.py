@@ -1,0 +1,129 @@
+"""DST: whether it may be written (new, or this job's own run), what a resumed run keeps, and the files that close a
+run (side files, index, config.json with its quantization_config, the manifest marked complete)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantkit.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestStatus, load_manifest
+from quantkit.checkpoint.reader import INDEX_NAME, Checkpoint
+from quantkit.checkpoint.writer import (
+    LOCK_NAME,
+    PARTIAL_SUFFIX,
+    copy_file_atomic,
+    work_folder,
+    write_bytes_atomic,
+    write_error,
+)
+from quantkit.convert.tensor_plan import ConversionPlan, OutputShard
+from quantkit.errors import QuantkitError
+from quantkit.formats.recipe import Recipe
+
+
+class DifferentRun(QuantkitError):
+    """DST holds a quantkit run of another source, recipe or layout."""
+
+
+def make_folder(dst: Path) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise QuantkitError("exists and is not a folder", dst)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(dst, exc) from exc
+
+
+def check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise QuantkitError(f"DST must not be the source folder or inside it ({src})", dst)
+    if d in s.parents:
+        raise QuantkitError(f"DST must not contain the source folder ({src})", dst)
+
+
+def prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple[Manifest, bool]:
+    """Decide whether DST is new, ours to resume, or someone else's; returns the manifest to
+    continue and whether DST already holds this job, finished. Runs under DST's lock."""
+    try:
+        old = load_manifest(dst)
+    except QuantkitError:
+        if not force:
+            raise
+        old = None
+    refuse_foreign(dst)
+    finished = False
+    if force:
+        _clear_outputs(dst)
+    elif old is not None:
+        diffs = old.differences(fresh)
+        if diffs:
+            raise DifferentRun(f"holds another run (different {', '.join(diffs)}); use --force to replace it", dst)
+        if not resume:
+            raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
+        fresh.shards = old.shards
+        fresh.gptq_layers, fresh.gptq_modules = old.gptq_layers, old.gptq_modules
+        finished = old.status == ManifestStatus.COMPLETE
+    for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
+        stale.unlink()
+    if not finished:
+        fresh.save(dst)  # status RUNNING, as every new manifest starts
+    return fresh, finished
+
+
+def refuse_foreign(dst: Path) -> None:
+    """DST must be empty or hold a quantkit run: another folder's files are never written into or cleared (not even
+    with --force)."""
+    if any(p.name != LOCK_NAME and not p.name.endswith(PARTIAL_SUFFIX) for p in dst.iterdir()) and not (
+            dst / MANIFEST_NAME).is_file():
+        raise QuantkitError(f"holds other files and no {MANIFEST_NAME}, so it is not a quantkit output; "
+                            "choose an empty or new folder", dst)
+
+
+def _clear_outputs(dst: Path) -> None:
+    for p in dst.glob("*.safetensors"):
+        p.unlink()
+    for name in (INDEX_NAME, MANIFEST_NAME, "config.json"):
+        (dst / name).unlink(missing_ok=True)
+
+
+def is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> bool:
+    """Whether a finished shard can be kept: recorded, present, and (``verify``) still the bytes recorded."""
+    record = manifest.shards.get(shard.name)
+    return record is not None and record.matches(dst / shard.name, rehash=verify)
+
+
+def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
+    """quantization_config for config.json: compressed-tensors' JSON of the recipe's groups.
+
+    Only groups that quantized something are kept, so the config describes exactly the
+    quantized tensors the checkpoint holds; the format is the single one used, or
+    ``mixed-precision`` when groups differ. The JSON is formats/quant_config.py's, which
+    tests/test_quant_config.py holds equal to compressed-tensors' own dump of the same config
+    (importing compressed-tensors would add seconds of transformers imports to every conversion).
+    """
+    from importlib.metadata import version
+
+    used = plan.weights_by_group
+    groups = {name: scheme for name, scheme in recipe.config.config_groups.items() if name in used}
+    formats = {scheme.format for scheme in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
+    config = recipe.config.model_copy(update={"config_groups": groups, "ignore": list(recipe.config.ignore or []),
+                                              "quantization_status": "compressed", "format": fmt})
+    return {"version": version("compressed-tensors"), "quant_method": "compressed-tensors",
+            **config.model_dump(mode="json")}
+
+
+def finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, manifest: Manifest) -> None:
+    for rel in ckpt.other_files:
+        folder = work_folder(dst, Path(rel).parent)  # a link planted at DST/sub would send the copy elsewhere
+        copy_file_atomic(ckpt.root / rel, folder / Path(rel).name)
+    weight_map = {o.name: s.name for s in plan.shards for o in s.tensors}
+    index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    config = dict(ckpt.config)
+    config["quantization_config"] = output_quantization_config(recipe, plan)
+    # No sort_keys: config_groups keep the recipe's order, which first-match readers rely on.
+    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    manifest.status = ManifestStatus.COMPLETE
+    manifest.save(dst)

@@ -1,0 +1,203 @@
+"""The shard pipeline: shards converted ``workers`` at a time, each by three threads (read ahead -> compute -> write
+and hash) joined by bounded queues that never block for ever; a finished shard goes into the manifest at once.
+
+A failing job cancels the rest: the first error propagates, queued shards are cancelled and the prefetch thread of a
+failed shard is told to stop (it must never block on a queue nobody drains).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantkit.checkpoint.manifest import Manifest, ShardRecord
+from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.writer import ShardWriter
+from quantkit.convert.actions import GPTQ_DONE, run_action
+from quantkit.convert.tensor_plan import ConversionPlan, OutputShard
+
+STAGES = ("read", "decode", "quantize", "pack", "write")
+PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
+
+
+class Stats:
+    def __init__(self):
+        self.seconds = {s: 0.0 for s in STAGES}
+        self.warnings: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
+
+    def warn(self, message: str) -> None:
+        with self._lock:
+            self.warnings.append(message)
+
+
+class Progress:
+    def __init__(self, total: int, callback):
+        self.total, self.done, self.callback = total, 0, callback
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            if self.callback:
+                self.callback(self.done, self.total)
+
+
+_DONE = object()
+
+
+class _Pipe:
+    """A bounded queue between two threads that never blocks forever: once either side has
+    stopped (finished or failed), puts give up instead of waiting for a reader that is gone."""
+
+    def __init__(self, depth: int, stop: threading.Event):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = stop
+
+    def put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self):
+        while True:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _DONE
+
+
+@dataclass
+class Job:
+    """One conversion's fixed parts, shared by every shard it writes."""
+
+    plan: ConversionPlan
+    ckpt: Checkpoint
+    dst: Path
+    manifest: Manifest
+    stats: Stats
+    progress: Progress
+    quantized: Any = None  # the calibrated weights' layer files (convert/gptq.py), read instead of computed
+
+
+def run_all(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
+    """Convert the shards still to do, ``workers`` at a time; each finished shard goes into the manifest."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if devices[0] == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        _run_jobs(job, todo, workers, devices)
+    finally:
+        torch.set_num_threads(threads)  # the worker split is convert's own: later work in this process gets all cores
+
+
+def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
+    """A pool of ``workers`` threads, each job holding one device slot while it runs."""
+    lock = threading.Lock()
+    slots: queue.Queue[str] = queue.Queue()
+    for i in range(workers):
+        slots.put(devices[i % len(devices)])
+
+    def one(shard: OutputShard) -> None:
+        dev = slots.get()
+        try:
+            written = _convert_shard(job, shard, dev)
+        finally:
+            slots.put(dev)
+        with lock:
+            job.manifest.shards[shard.name] = ShardRecord(sha256=written.sha256, size=written.size)
+            job.manifest.save(job.dst)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, s) for s in todo]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:  # the first failure stops the run; running jobs end on their own
+                future.cancel()
+            raise
+
+
+def _convert_shard(job: Job, shard: OutputShard, device: str):
+    """Three threads per shard: read ahead -> compute (this thread) -> write and hash."""
+    stats, quantized = job.stats, job.quantized
+    entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
+    stop = threading.Event()
+    loaded, computed = _Pipe(PREFETCH, stop), _Pipe(PREFETCH, stop)
+    failures: list[BaseException] = []
+    written: list = []
+
+    def read_ahead():
+        try:
+            layer_files: dict = {}
+            with TensorReader(job.ckpt) as reader:
+                for action in shard.actions:
+                    t0 = time.perf_counter()
+                    if quantized is not None and action.module in quantized.files:
+                        tensors = {GPTQ_DONE: quantized.read(action.module, layer_files)}
+                    else:
+                        tensors = {name: reader.read(name) for name in action.sources}
+                    stats.add("read", time.perf_counter() - t0)
+                    if not loaded.put((action, tensors)):
+                        return
+            loaded.put(_DONE)
+        except BaseException as exc:
+            failures.append(exc)
+            stop.set()
+
+    def write_behind(writer: ShardWriter):
+        try:
+            while (item := computed.get()) is not _DONE:
+                action, outputs = item
+                t0 = time.perf_counter()
+                for name, tensor in outputs.items():
+                    writer.write(name, tensor)
+                stats.add("write", time.perf_counter() - t0)
+                job.progress.add(action.source_bytes)
+            if not stop.is_set():
+                t0 = time.perf_counter()
+                written.append(writer.finish())
+                stats.add("write", time.perf_counter() - t0)
+        except BaseException as exc:
+            failures.append(exc)
+            stop.set()
+
+    with ShardWriter(job.dst / shard.name, entries, {"format": "pt"}) as writer:
+        threads = [threading.Thread(target=read_ahead, daemon=True),
+                   threading.Thread(target=write_behind, args=(writer,), daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            while (item := loaded.get()) is not _DONE:
+                action, tensors = item
+                if not computed.put((action, run_action(action, tensors, job.plan, job.ckpt, device, stats))):
+                    break
+            computed.put(_DONE)
+            threads[1].join()
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        if failures:
+            raise failures[0]
+        return written[0]
