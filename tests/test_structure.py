@@ -1,0 +1,134 @@
+"""The shape of the code, measured (docs/design.md): short functions, thin package faces, no import circles, and
+imports that only run down the layers. Read from the source with ``ast``; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
+MAX_FUNCTION_LINES = 80
+MAX_INIT_LINES = 250
+
+# Lowest first; a module may import its own layer's and lower layers' modules, never a higher layer's.
+LAYERS = [
+    {"quantkit", "errors", "inert", "settings", "yaml_file", "devices", "packaged", "calibration_data"},
+    {"formats"},
+    {"checkpoint"},
+    {"engines", "modeling", "layerwise"},
+    {"convert", "kv", "verify", "evaluation", "plan", "budget"},
+    {"release"},
+    {"examples", "cli", "__main__"},
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def _module_of(name: str) -> str:
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports(path: Path) -> set[str]:
+    """The quantkit modules a module imports, at its top or inside its functions (both run)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {_module_of(a.name) for a in node.names if a.name.split(".")[0] == "quantkit"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "quantkit":
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else _module_of(node.module))
+    return found
+
+
+GRAPH = {name: imports(path) - {name} for name, path in MODULES.items()}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def circles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+            for path in MODULES.values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long
+
+
+def test_package_faces_are_thin():
+    fat = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("__init__.py")
+           if (n := len(p.read_text().splitlines())) > MAX_INIT_LINES}
+    assert not fat
+
+
+def test_no_import_circles():
+    assert circles() == []
+
+
+def test_imports_only_run_down_the_layers():
+    assert set().union(*LAYERS) >= {m.split(".")[1] if "." in m else m for m in MODULES}, "a module without a layer"
+    upward = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets if layer(b) > layer(a))
+    assert not upward
+
+
+@pytest.mark.parametrize("planted", ["circle", "upward"])
+def test_the_checks_catch_what_they_look_for(planted, monkeypatch):
+    """The measures themselves can fail: a planted circle and a planted upward import are found."""
+    graph = {k: set(v) for k, v in GRAPH.items()}
+    if planted == "circle":
+        graph["quantkit.errors"].add("quantkit.inert")
+        graph["quantkit.inert"].add("quantkit.errors")
+        monkeypatch.setattr(__import__(__name__), "GRAPH", graph)
+        assert ["quantkit.errors", "quantkit.inert"] in circles()
+    else:
+        graph["quantkit.checkpoint.reader"].add("quantkit.release.gate")
+        assert any(layer(b) > layer(a) for a, targets in graph.items() for b in targets)
