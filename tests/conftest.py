@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.examples.synthetic import build_synthetic
-
 RECIPE_FOR = {
     "glm_moe_dsa": "glm5-int4-experts-g32",
     "deepseek_v3": "deepseek-v3-int4-experts-g32",
@@ -20,6 +18,8 @@ RECIPE_FOR = {
 @pytest.fixture(scope="session")
 def synthetic(tmp_path_factory):
     """family -> path of a pristine synthetic checkpoint (tests must copy before damaging one)."""
+    from quantkit.examples.synthetic import build_synthetic  # torch: only for the tests that build checkpoints
+
     root = tmp_path_factory.mktemp("synthetic")
     return {family: build_synthetic(family, root / family, seed=1) for family in RECIPE_FOR}
 

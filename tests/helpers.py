@@ -5,7 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from quantkit.calibration_data import DEFAULT_DATA
+from quantkit.evaluation.tasks import TASKS
+from quantkit.packaged import evaldata_dir
+
+SHARED_EVALDATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+
+
+def evaldata(*tasks: str) -> Path:
+    """A folder of benchmark data in the hub's schema holding TASKS: the test sets quantkit ships (ARC-Easy, GSM8K),
+    else ../shared/evaldata. Without either, the test module is skipped, naming what is missing."""
+    for folder in (evaldata_dir(), SHARED_EVALDATA):
+        if all((folder / TASKS[t]["file"]).is_file() for t in tasks):
+            return folder
+    pytest.skip(f"no test data for {', '.join(tasks)}: not shipped in quantkit/data/evaldata, no {SHARED_EVALDATA}",
+                allow_module_level=True)
 
 
 def add_word_tokenizer(model: Path, vocab: int = 512, bpe: bool = False) -> Path:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import evaldata
 from test_gate import suite, write_run
 
 from quantkit.evaluation.generation import LOOP_SHARE, generation_stats, repeated_share, runaway
@@ -16,7 +17,7 @@ from quantkit.release.behaviour import length_check, runaway_check
 from quantkit.release.gate import CannotCompare, gate
 from quantkit.release.stats import bootstrap_interval
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+DATA = evaldata("gsm8k")
 STANDIN = Path(__file__).resolve().parent / "standin" / "sglang_standin.py"
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import evaldata
 
 from quantkit.evaluation import evaluate
 from quantkit.evaluation.sglang import (
@@ -24,7 +25,7 @@ from quantkit.release.gate import CannotCompare, gate
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+DATA = evaldata("arc_easy", "gsm8k")
 STANDIN = Path(__file__).resolve().parent / "standin" / "sglang_standin.py"
 REPO = Path(__file__).resolve().parents[1]
 

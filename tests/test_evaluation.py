@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import evaldata
 
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
@@ -12,7 +13,7 @@ from quantkit.release.gate import CannotCompare, gate
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+DATA = evaldata("arc_easy", "gsm8k")
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,14 @@ def test_identical_runs_gate_and_other_settings_do_not(arc_run, smollm2_bf16, tm
     same = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "same")
     suite = tmp_path / "suite.yaml"
     suite.write_text("correction: bonferroni\ntasks:\n  arc_easy: {margin: 1.0}\n  gsm8k: {margin: 1.0}\n")
-    report = gate(arc_run.run_dir, same.run_dir, suite)
+    report = gate(arc_run.run_dir, same.run_dir, suite=suite)
     assert report.passed and all(t.delta == 0 for t in report.tasks)
     calibrated = calibrate_kv(smollm2_bf16, out=tmp_path / "kv", samples=4, seq_len=128)
     fp8 = evaluate(calibrated.out, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "fp8",
                    kv_cache_dtype="fp8_e4m3")
     assert fp8.scores["arc_easy"]["n"] == 6
     with pytest.raises(CannotCompare, match="kv_cache_dtype"):
-        gate(arc_run.run_dir, fp8.run_dir, suite)
+        gate(arc_run.run_dir, fp8.run_dir, suite=suite)
 
 
 def test_bad_input(smollm2_bf16, arc_run, tmp_path, synthetic):

@@ -97,11 +97,13 @@ def test_match_name_is_compressed_tensors_own():
 
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
+EXPECTED_FORMAT = {"glm5-int4-experts-g128-fp8": "mixed-precision", "dense-fp8-block": "float-quantized"}  # else INT4
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
 def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, recipe):
     from compressed_tensors import __version__
+    from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import QuantizationStatus
 
     from quantkit.checkpoint.reader import open_checkpoint
@@ -115,9 +117,13 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
     groups = {name: CTScheme.model_validate(s.model_dump(mode="json"))
               for name, s in rec.config.config_groups.items() if name in plan.weights_by_group}
     kv = rec.config.kv_cache_scheme
+    # the checkpoint's format: the one its groups use, or mixed-precision (compressed-tensors' name) when they differ
+    formats = {scheme.format for scheme in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value
+    assert fmt == EXPECTED_FORMAT.get(recipe, "pack-quantized")
     theirs = CTConfig(config_groups=groups, ignore=list(rec.config.ignore or []),
                       kv_cache_scheme=CTArgs.model_validate(kv.model_dump(mode="json")) if kv else None,
-                      quantization_status=QuantizationStatus.COMPRESSED, format=written["format"])
+                      quantization_status=QuantizationStatus.COMPRESSED, format=fmt)
     expected = {"version": __version__, "quant_method": "compressed-tensors", **theirs.model_dump(mode="json")}
     assert written == expected
     assert list(written) == list(expected)  # the key order too: config.json's bytes depend on it

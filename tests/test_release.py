@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import evaldata
 
 from quantkit.errors import QuantkitError
 from quantkit.examples.smollm2 import block_fp8_release
 from quantkit.release import STAGES, ReleaseStopped, release
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+DATA = evaldata("arc_easy")
 
 
 @pytest.fixture(scope="module")
