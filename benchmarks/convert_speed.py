@@ -15,6 +15,13 @@ time is that ceiling plus a bare ``python -c "import torch"``; quantkit's share 
     python benchmarks/convert_speed.py --workdir /tmp/bench --gb 3 --device cpu
     python benchmarks/convert_speed.py --workdir /tmp/bench --gb 12 --device cuda
 
+With the disk taken away (``--tmpfs``: WORKDIR on a tmpfs such as /dev/shm, source and outputs in memory), the
+ceiling is the CPU's: N threads reading the source by offset while N threads write and sha256-hash the output's
+bytes, as a conversion must; quantkit (in-process seconds, each worker count) and model_free_ptq are timed beside it,
+and every quantkit output is checked byte-identical to the first:
+
+    python benchmarks/convert_speed.py --tmpfs --workdir /dev/shm/bench --gb 8 --device cuda --workers-list 4,8,16
+
 Prints a Markdown table and writes the figures as JSON (--json).
 """
 
@@ -197,6 +204,97 @@ def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) ->
     return seconds
 
 
+def memory_ceiling(src: Path, out_dir: Path, out_bytes: int, threads: int) -> float:
+    """Seconds for ``threads`` readers to pread every source shard while ``threads`` writers write and sha256-hash
+    ``out_bytes`` in as many files: the bytes a conversion moves and hashes, with nothing computed."""
+    import hashlib
+    import threading
+
+    files = sorted(src.glob("*.safetensors"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(16 << 20)
+
+    def read(my_files):
+        buf = bytearray(16 << 20)
+        for path in my_files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [buf], offset):
+                    offset += n
+            finally:
+                os.close(fd)
+
+    def write(i: int, nbytes: int):
+        digest = hashlib.sha256()
+        with open(out_dir / f"ceiling-{i}.bin", "wb") as f:
+            done = 0
+            while done < nbytes:
+                chunk = memoryview(block)[:min(len(block), nbytes - done)]
+                f.write(chunk)
+                digest.update(chunk)
+                done += len(chunk)
+
+    share = -(-out_bytes // threads)
+    workers = [threading.Thread(target=read, args=(files[i::threads],)) for i in range(threads)]
+    workers += [threading.Thread(target=write, args=(i, share)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(out_dir)
+    return seconds
+
+
+def output_digest(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")):
+        h.update(p.name.encode() + bytes.fromhex(hashlib.sha256(p.read_bytes()).hexdigest()))
+    return h.hexdigest()
+
+
+def tmpfs_main(args) -> None:
+    """Throughput with the disk taken away: the memory ceiling, quantkit at each worker count, model_free_ptq."""
+    work = args.workdir
+    src = build_source(work / "src", args.gb, args.shard_gb)
+    gb = src["bytes"] / 1e9
+    print(f"source {gb:.1f} GB in {src['shards']} shard(s) on {work}", flush=True)
+    runs, digests = {}, {}
+    for workers in [int(w) for w in args.workers_list.split(",")]:
+        r = run_quantkit(work / "src", work / "out", args.device, workers)
+        r["GBps"] = gb / r["in_process_seconds"]
+        digests[workers] = output_digest(work / "out")
+        runs[f"quantkit x{workers}"] = r
+        print(f"quantkit x{workers}: {r['in_process_seconds']:.1f}s in process ({r['GBps']:.2f} GB/s of input), "
+              f"{r['seconds']:.1f}s end to end, peak RSS {r['peak_rss_GiB']:.1f} GiB; stages {r['stage_seconds']}",
+              flush=True)
+    out_bytes = next(iter(runs.values()))["output_bytes"]
+    ceilings = {}
+    for workers in sorted({int(w) for w in args.workers_list.split(",")}):
+        ceilings[workers] = memory_ceiling(work / "src", work / "probe", out_bytes, workers)
+        print(f"memory ceiling, {workers} readers + {workers} writers/hashers: {ceilings[workers]:.2f}s "
+              f"({gb / ceilings[workers]:.2f} GB/s of input)", flush=True)
+    peer = run_peer(work / "src", work / "out-peer", args.device, args.peer_workers)
+    peer_work = peer["seconds"] - peer["import_seconds"]
+    print(f"model_free_ptq x{args.peer_workers}: {peer['seconds']:.1f}s end to end, {peer_work:.1f}s after imports "
+          f"({gb / peer_work:.2f} GB/s of input)", flush=True)
+    best = min(ceilings.values())
+    print("\n| run | s | GB/s of input | share of the memory ceiling |\n|---|---|---|---|")
+    for name, r in runs.items():
+        print(f"| {name} | {r['in_process_seconds']:.1f} | {r['GBps']:.2f} | {100 * best / r['in_process_seconds']:.0f} % |")
+    print(f"| model_free_ptq x{args.peer_workers} (after imports) | {peer_work:.1f} | {gb / peer_work:.2f} | "
+          f"{100 * best / peer_work:.0f} % |")
+    print(f"| ceiling (best of {sorted(ceilings)}) | {best:.2f} | {gb / best:.2f} | 100 % |")
+    print("outputs identical across worker counts:", len(set(digests.values())) == 1, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"source": src, "runs": runs, "ceilings": ceilings, "peer": peer,
+                                         "digests": digests}, indent=2, default=str))
+
+
 def bare_torch_import() -> float:
     """Seconds for a fresh interpreter to import torch and exit (second of two runs: files cached)."""
     times = []
@@ -303,9 +401,14 @@ def main() -> None:
     ap.add_argument("--peer-workers", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--writeback-ab", action="store_true", help="also time a cold run without chunked writeback")
+    ap.add_argument("--tmpfs", action="store_true", help="WORKDIR is in memory: the memory ceiling and worker counts")
+    ap.add_argument("--workers-list", default="4,8,16", help="--tmpfs: quantkit's worker counts")
     args = ap.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
+    if args.tmpfs:
+        tmpfs_main(args)
+        return
 
     t0 = time.perf_counter()
     src = build_source(work / "src", args.gb, args.shard_gb)

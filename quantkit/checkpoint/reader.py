@@ -25,6 +25,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # Pickle-based formats: loading one runs arbitrary code, so we never do.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+PINNED_MAX = 64 << 20  # tensors up to this size go to and from a GPU through pinned (cached) host memory
 HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
 CARD_NAME = "README.md"  # the model card, which publish writes
 # Never shipped: upload state, partial files of an interrupted writer, the lock, RUN_DIRs kept beside the model.
@@ -346,26 +347,31 @@ class TensorReader:
         return fd
 
     def _bytes(self, name: str) -> bytearray:
+        buf = bytearray(self.checkpoint.tensors[name].nbytes)
+        self._read_into(name, memoryview(buf))
+        return buf
+
+    def _read_into(self, name: str, view: memoryview) -> None:
         info = self.checkpoint.tensors[name]
-        buf = bytearray(info.nbytes)
-        view = memoryview(buf)
         fd, done = self._fd(info.file), 0
         while done < info.nbytes:
             got = os.preadv(fd, [view[done:]], info.start + done)
             if got == 0:
                 raise QuantkitError("truncated while reading", self.checkpoint.root / info.file, name)
             done += got
-        return buf
 
-    def read(self, name: str):
+    def read(self, name: str, pinned: bool = False):
+        """The tensor, read into memory of its own (never zero-filled first); ``pinned``: page-locked memory that a
+        GPU copies from without staging, for tensors up to PINNED_MAX (a larger one would stay pinned in torch's
+        cache for the rest of the process)."""
         import torch
 
         info = self.checkpoint.tensors[name]
-        buf = self._bytes(name)
         dtype = getattr(torch, DTYPES[info.dtype][1])
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.shape)
+        out = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pinned and 0 < info.nbytes <= PINNED_MAX)
+        if info.nbytes:
+            self._read_into(name, out.numpy().data)
+        return out.view(dtype).reshape(info.shape)
 
     def read_ints(self, name: str) -> list[int]:
         """A small integer tensor's values, flattened, without torch (``weight_shape`` and the like)."""

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from quantkit.checkpoint.reader import DTYPES, Checkpoint
+from quantkit.checkpoint.reader import DTYPES, PINNED_MAX, Checkpoint
 from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 
 GPTQ_DONE = "quantkit.gptq"  # a read-ahead item holding a weight GPTQ already quantized
-PINNED_MAX = 64 << 20  # outputs up to this size come back from the GPU through pinned (cached) host memory
 
 
 @dataclass
@@ -71,7 +70,8 @@ class _Step:
         from quantkit.formats.weights import decode_weight
 
         action = self.action
-        parts = tuple(self.src[name].to(self.device) for name in action.sources)
+        # non-blocking: a pinned source is copied on this job's stream while the host moves on
+        parts = tuple(self.src[name].to(self.device, non_blocking=True) for name in action.sources)
         out_dtype = getattr(torch, DTYPES[self.plan.model_dtype][1])
         if action.encoding == "int4_packed":
             packed, scale, _ = parts
