@@ -2,7 +2,7 @@
 held-out perplexity per candidate.
 
     python benchmarks/gptq_quality.py --work /tmp/qk/gptq-quality [--gsm8k ../shared/evaldata/gsm8k]
-        [--only "gptq 64x256,signround 64x256"] [--mixed RECIPE.yaml] [--device cpu|cuda]
+        [--only "gptq 64x256,signround 64x256"] [--mixed RECIPE.yaml] [--device cpu|cuda] [--source FP8_DIR]
 
 The source is SmolLM2 written as a block-FP8 release (as the demo does); every candidate quantizes
 its MLP to INT4 group 32 (dense-mlp-w4a16-g32's targets), the mixed one (a recipe `quantkit budget` wrote) a
@@ -72,10 +72,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated candidate names to run")
     parser.add_argument("--mixed", type=Path, help="a recipe quantkit budget wrote (the 'mixed' candidate)")
     parser.add_argument("--device", default="cpu", help="where convert (GPTQ, SignRound) runs")
+    parser.add_argument("--source", type=Path, help="the block-FP8 SmolLM2 already written (else built in WORK)")
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    source = block_fp8_release(smollm2_checkpoint(work / "bf16"), work / "fp8")
+    source = args.source or block_fp8_release(smollm2_checkpoint(work / "bf16"), work / "fp8")
     tokenizer = model_tokenizer(source)
     gsm8k = token_batches(tokenizer, gsm8k_texts(args.gsm8k / "test.jsonl"), 128, 256, 8, args.gsm8k / "test.jsonl",
                           require_all=True)

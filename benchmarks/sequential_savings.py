@@ -2,7 +2,7 @@
 
     python benchmarks/sequential_savings.py --work /tmp/qk/seq --source /tmp/qk/quality/fp8 \
         --candidate int4=/tmp/qk/quality/rtn --candidate fp8kv=/tmp/qk/fp8kv ... \
-        [--tasks arc_easy,mmlu] [--mmlu-items 2000] [--margin 4] [--data ../shared/evaldata]
+        [--tasks arc_easy,mmlu] [--mmlu-items 2000] [--margin 4] [--data ../shared/evaldata] [--device cuda]
 
 Every model is evaluated once on all the items (the hf engine, file order; a candidate whose folder holds k/v scales
 with its FP8 KV cache emulated, the baseline with BF16 KV). The fixed gate uses all of them; the sequential gate's
@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--mmlu-items", type=int, default=2000)
     parser.add_argument("--margin", type=float, default=4.0)
     parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/evaldata")
+    parser.add_argument("--device", default="cpu", help="where the hf engine runs the models")
+    parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     data = args.work / "data"
@@ -66,7 +68,8 @@ def main() -> None:
 
     def run(name: str, model: Path) -> Path:
         kv = "fp8_e4m3" if any(model.glob("kv-scales.safetensors")) else "auto"
-        evaluate(model, tasks=tasks, data_dir=data, out=runs / name, batch_size=16, device="cpu", kv_cache_dtype=kv)
+        evaluate(model, tasks=tasks, data_dir=data, out=runs / name, batch_size=args.batch_size, device=args.device,
+                 kv_cache_dtype=kv)
         return runs / name
 
     baseline = run("baseline", args.source)
