@@ -81,9 +81,13 @@ def test_a_poisoned_run_directory_runs_no_code(arc_run, smollm2_bf16, tmp_path):
 def test_identical_runs_gate_and_other_settings_do_not(arc_run, smollm2_bf16, tmp_path):
     same = evaluate(smollm2_bf16, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "same")
     suite = tmp_path / "suite.yaml"
-    suite.write_text("correction: bonferroni\ntasks:\n  arc_easy: {margin: 1.0}\n  gsm8k: {margin: 1.0}\n")
+    # Six identical items certify a wide margin only: two-sided 97.5 % (Bonferroni over two tasks) reaches 45.6 points.
+    suite.write_text("correction: bonferroni\ntasks:\n  arc_easy: {margin: 50.0}\n  gsm8k: {margin: 50.0}\n")
     report = gate(arc_run.run_dir, same.run_dir, suite=suite)
     assert report.passed and all(t.delta == 0 for t in report.tasks)
+    narrow = suite.with_name("narrow.yaml")
+    narrow.write_text("correction: bonferroni\ntasks:\n  arc_easy: {margin: 1.0}\n  gsm8k: {margin: 1.0}\n")
+    assert not gate(arc_run.run_dir, same.run_dir, suite=narrow).passed  # 0 of 6 flipped certifies no 1-point margin
     calibrated = calibrate_kv(smollm2_bf16, out=tmp_path / "kv", samples=4, seq_len=128)
     fp8 = evaluate(calibrated.out, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=tmp_path / "fp8",
                    kv_cache_dtype="fp8_e4m3")

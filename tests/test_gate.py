@@ -63,7 +63,7 @@ def test_identical_runs_pass_and_a_three_point_drop_fails(tmp_path):
     s = suite(tmp_path, ["arc_easy"], margin=1.0, correction="none")
     a = write_run(tmp_path / "a", {"arc_easy": base}, model="base")
     same = write_run(tmp_path / "same", {"arc_easy": base}, model="cand")
-    report = gate(a, same, s)
+    report = gate(a, same, suite=s)
     assert report.passed and report.tasks[0].delta == 0 and -0.2 < report.tasks[0].low < 0  # nothing flipped: narrow,
     # yet not of zero width (the Wald interval claimed [0, 0] here, whatever n)
     worse = base[:]
@@ -71,7 +71,7 @@ def test_identical_runs_pass_and_a_three_point_drop_fails(tmp_path):
     for i in rng.sample(ones, 90):  # 90 of 3000 items: a 3-point drop
         worse[i] = 0
     bad = write_run(tmp_path / "bad", {"arc_easy": worse}, model="cand")
-    report = gate(a, bad, s, report_dir=tmp_path / "report")
+    report = gate(a, bad, suite=s, report_dir=tmp_path / "report")
     t = report.tasks[0]
     assert not report.passed and t.delta == pytest.approx(-3.0) and t.high < 0
     assert report.candidate_checksums == {"model-00001-of-00001.safetensors": "cand" * 8}
@@ -85,7 +85,7 @@ def test_power_statement_and_continuous_signals(tmp_path):
     logp = {"arc_easy": [[rng.gauss(-1, 0.3), -2.0, -2.5, -3.0] for _ in b]}
     logp_c = {"arc_easy": [[x[0] + rng.gauss(0, 0.05), *x[1:]] for x in logp["arc_easy"]]}
     s = suite(tmp_path, ["arc_easy"], decide_by="[accuracy, loglik]")
-    report = gate(write_run(tmp_path / "a", {"arc_easy": b}, logprobs=logp), write_run(tmp_path / "b", {"arc_easy": c}, logprobs=logp_c), s)
+    report = gate(write_run(tmp_path / "a", {"arc_easy": b}, logprobs=logp), write_run(tmp_path / "b", {"arc_easy": c}, logprobs=logp_c), suite=s)
     t = report.tasks[0]
     names = {sig.name for sig in t.signals}
     assert {"delta loglik of the correct answer", "choice flip rate", "KL(baseline || candidate) of choices"} <= names
@@ -104,10 +104,10 @@ def test_cannot_compare(tmp_path):
     a = write_run(tmp_path / "a", {"arc_easy": [1, 0, 1]})
     other_engine = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]}, engine="sglang")
     with pytest.raises(CannotCompare, match="engine.name"):
-        gate(a, other_engine, s)
+        gate(a, other_engine, suite=s)
     fewer = write_run(tmp_path / "c", {"arc_easy": [1, 0]})
     with pytest.raises(CannotCompare, match="different items"):
-        gate(a, fewer, s)
+        gate(a, fewer, suite=s)
     r = CliRunner().invoke(app, ["gate", str(a), str(other_engine), "--suite", str(s)])
     assert r.exit_code == 2 and "engine.name" in r.output
     missing = CliRunner().invoke(app, ["gate", str(a), str(tmp_path / "nope"), "--suite", str(s)])
@@ -142,7 +142,7 @@ def test_duplicated_ids_cannot_turn_failures_into_a_pass(tmp_path):
     rows = _lines(cand)
     _rewrite(cand, rows + [dict(r, correct=1) for r in rows[:100]])
     with pytest.raises(CannotCompare, match="item arc_easy-0 appears twice"):
-        gate(base, cand, s)
+        gate(base, cand, suite=s)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -162,7 +162,7 @@ def test_run_files_are_validated_strictly(tmp_path, damage, message):
     cand = write_run(tmp_path / "b", {"arc_easy": [1, 0, 1]})
     _rewrite(cand, damage(_lines(cand)))
     with pytest.raises(CannotCompare, match=message):
-        gate(base, cand, s)
+        gate(base, cand, suite=s)
     r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "arc_easy.jsonl" in r.output
 
@@ -180,10 +180,10 @@ def test_run_records_and_suites_are_validated(tmp_path):
         meta["tasks"]["arc_easy"]["items"] = 4
         (run / "run.json").write_text(json.dumps(meta))
     with pytest.raises(CannotCompare, match="not the task's first 4"):
-        gate(base, cand, s)
+        gate(base, cand, suite=s)
     (cand / "run.json").write_text("{not json")
     with pytest.raises(CannotCompare, match="run.json: invalid run record"):
-        gate(base, cand, s)
+        gate(base, cand, suite=s)
     for text, message in [("tasks: [arc_easy]\n", "tasks: Input should be a valid dictionary"),
                           ("alpha: 5\ntasks: {arc_easy: {}}\n", "alpha: Input should be less than 1"),
                           ("tasks: {arc_easy: {margin: -1}}\n", "margin: Input should be greater than or equal to 0"),

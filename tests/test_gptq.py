@@ -271,7 +271,7 @@ def test_nan_activations_stop_at_the_layer_naming_it(tmp_path):
 
 
 def test_calibration_data_on_an_rtn_recipe_is_refused(synthetic, tmp_path):
-    with pytest.raises(QuantkitError, match="for GPTQ recipes"):
+    with pytest.raises(QuantkitError, match="for GPTQ and SignRound recipes"):
         convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu",
                 calibration_data=token_file(tmp_path / "c.jsonl", 2, 8, 0))
 

@@ -29,7 +29,7 @@ def gated(synthetic, tmp_path):
     meta = json.loads((cand / "run.json").read_text())
     meta["model_checksums"] = model_checksums(dst)
     (cand / "run.json").write_text(json.dumps(meta))
-    gate(base, cand, suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
+    gate(base, cand, suite=suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
     return dst, tmp_path / "gate" / "verdict.json"
 
 

@@ -132,10 +132,11 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
 def test_the_kv_cache_scheme_calibrate_kv_writes_is_compressed_tensors_own():
     from compressed_tensors.quantization import QuantizationStatus
 
+    from quantkit.checkpoint.config import Quantization
     from quantkit.kv.calibrate import KV_CACHE_SCHEME, _with_kv_scheme
 
     theirs = CTArgs.model_validate(KV_CACHE_SCHEME)
-    assert _with_kv_scheme(None) == CTConfig(config_groups={}, kv_cache_scheme=theirs, format="dense",
+    assert _with_kv_scheme(Quantization({})) == CTConfig(config_groups={}, kv_cache_scheme=theirs, format="dense",
                                              quantization_status=QuantizationStatus.COMPRESSED).model_dump(mode="json")
     converted = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense"}
-    assert _with_kv_scheme(converted) == dict(converted, kv_cache_scheme=theirs.model_dump(mode="json"))
+    assert _with_kv_scheme(Quantization(converted)) == dict(converted, kv_cache_scheme=theirs.model_dump(mode="json"))

@@ -63,7 +63,7 @@ def test_first_matching_group_wins_and_ignore_beats_targets():
         ("quantkit_calibration: {experts: some}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: experts"),
         ("quantkit_calibration: {sample: 3}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: sample"),
         ("quantkit_calibration: {}\nQuantizationModifier:\n  scheme: W4A16\n", "only read for a GPTQModifier"),
-        ("foo: 1\n", "exactly one QuantizationModifier or GPTQModifier"),
+        ("foo: 1\n", "exactly one QuantizationModifier, GPTQModifier or AutoRoundModifier"),
         ("QuantizationModifier:\n  ignore: []\n", "neither config_groups nor scheme"),
         ("QuantizationModifier:\n  config_groups:\n    g:\n      targets: [Linear]\n      weights: {num_bits: 4, type: banana}\n",
          "invalid QuantizationModifier"),

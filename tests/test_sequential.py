@@ -45,7 +45,7 @@ def test_a_look_is_a_seeded_prefix_and_the_next_look_extends_it(setup, tmp_path)
     assert second.scores["arc_easy"]["n"] == 60
     assert len((tmp_path / "cand" / "cache" / "requests.jsonl").read_text().splitlines()) < 2 * cached + 1
     (tmp_path / "suite.yaml").write_text("sequential: {looks: [0.25, 0.5, 1.0]}\ntasks:\n  arc_easy: {margin: 100}\n")
-    report = gate(tmp_path / "baseline", tmp_path / "cand", tmp_path / "suite.yaml")
+    report = gate(tmp_path / "baseline", tmp_path / "cand", suite=tmp_path / "suite.yaml")
     assert report.sequential.look == 2 and report.decision == "pass" and report.tasks[0].n == 60
 
 

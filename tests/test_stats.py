@@ -157,22 +157,22 @@ def test_a_sequential_gate_decides_at_the_first_look_that_can(tmp_path):
     (tmp_path / "suite.yaml").write_text("sequential: {looks: [0.25, 0.5, 1.0]}\ntasks:\n  arc_easy: {margin: 4}\n")
     a = write_seeded(tmp_path / "a", "arc_easy", base, population)
     same = [v if rng.random() > 0.01 else 1 - v for v in base]  # 1 % flips: within noise of a 4-point margin
-    first = gate(a, write_seeded(tmp_path / "b", "arc_easy", same, population, 0.25), tmp_path / "suite.yaml")
-    second = gate(a, write_seeded(tmp_path / "c", "arc_easy", same, population, 0.5), tmp_path / "suite.yaml")
+    first = gate(a, write_seeded(tmp_path / "b", "arc_easy", same, population, 0.25), suite=tmp_path / "suite.yaml")
+    second = gate(a, write_seeded(tmp_path / "c", "arc_easy", same, population, 0.5), suite=tmp_path / "suite.yaml")
     assert first.decision in ("pass", "continue") and second.decision == "pass"
     assert second.sequential.look == 2 and second.sequential.items == 1000
     broken = [0] * population  # everything lost: refuted at the first look, no need to look further
-    early = gate(a, write_seeded(tmp_path / "d", "arc_easy", broken, population, 0.25), tmp_path / "suite.yaml")
+    early = gate(a, write_seeded(tmp_path / "d", "arc_easy", broken, population, 0.25), suite=tmp_path / "suite.yaml")
     assert early.decision == "fail" and early.sequential.look == 1 and not early.passed
     with pytest.raises(Exception, match="none of the looks"):
-        gate(a, write_seeded(tmp_path / "e", "arc_easy", same, population, 0.3), tmp_path / "suite.yaml")
+        gate(a, write_seeded(tmp_path / "e", "arc_easy", same, population, 0.3), suite=tmp_path / "suite.yaml")
 
 
 def test_verdict_json_is_strict_json(tmp_path):
     (tmp_path / "suite.yaml").write_text("tasks:\n  arc_easy: {margin: 4}\n")
     a = write_seeded(tmp_path / "a", "arc_easy", [1] * 16, 16)
     b = write_seeded(tmp_path / "b", "arc_easy", [1] * 16, 16, model="n")
-    report = gate(a, b, tmp_path / "suite.yaml", report_dir=tmp_path / "r")
+    report = gate(a, b, suite=tmp_path / "suite.yaml", report_dir=tmp_path / "r")
     assert not report.passed and "cannot certify a 4-point margin with 16 items" in report.tasks[0].note
 
     def refuse(constant):
