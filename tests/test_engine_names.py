@@ -600,3 +600,46 @@ def test_the_backends_plan_names_are_sglang_choices(sglang_wheel):
     choices = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "ATTENTION_BACKEND_CHOICES")
     assert {b.backend for b in BACKENDS} <= set(choices)
+
+
+def _scheme(name: str):
+    """A stand-in for one of SGLang's scheme classes: records that it was chosen, and with what."""
+    return type(name, (), {"__init__": lambda self, *args, **kwargs: setattr(self, "kwargs", kwargs),
+                           "get_min_capability": classmethod(lambda cls: 89)})
+
+
+def test_sglang_gives_each_group_of_a_mixed_precision_checkpoint_its_own_scheme(sglang_wheel, converted):
+    """SGLang 0.5.23 reads each config group's own format (compressed_tensors.py:373-381) and picks a Linear's
+    scheme by it (725-745), so INT4 and block-FP8 groups of one checkpoint each get theirs: its own
+    CompressedTensorsConfig, run on the config quantkit writes for a mixed-precision recipe, as on an H200."""
+    from compressed_tensors.config import CompressionFormat
+
+    path = "sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py"
+    assert "the per-group value must win" in lines(sglang_wheel, path, 373, 381)
+    utils = "sglang/srt/layers/quantization/compressed_tensors/utils.py"
+    provide = {"WNA16_SUPPORTED_BITS": [4, 8],
+               **{f"is_{p}": lambda: False for p in ("cuda", "npu", "hip", "xpu")},  # a CUDA host: not is_cuda()'s
+               **{base: object for base in ("QuantizationConfig", "QuantizeMethodBase", "LinearMethodBase",
+                                            "FusedMoEMethodBase", "BaseKVCacheMethod")},
+               "is_activation_quantization_format": engine_definition(sglang_wheel, utils,
+                                                                      "is_activation_quantization_format",
+                                                                      {"CompressionFormat": CompressionFormat}),
+               **{n: _scheme(n) for n in ("CompressedTensorsWNA16", "CompressedTensorsW8A8Fp8",
+                                          "CompressedTensorsW8A16Fp8", "CompressedTensorsW8A8Int8")}}
+    config_class = engine_module(sglang_wheel, path, provide)["CompressedTensorsConfig"]
+    on_h200 = type("OnH200", (config_class,), {"_check_scheme_supported": lambda self, capability, error=True:
+                                                capability <= 90})
+    written = json.loads((converted["glm_moe_dsa-fp8"] / "config.json").read_text())["quantization_config"]
+    assert written["format"] == "mixed-precision"
+    config = on_h200.from_config(written)
+    chosen = {}
+    for group in written["config_groups"].values():
+        args = config.target_scheme_map[group["targets"][0]]
+        scheme = config._get_scheme_from_parts(args["weights"], args["input_activations"], format=args["format"])
+        chosen[group["format"]] = type(scheme).__name__
+    assert chosen == {"pack-quantized": "CompressedTensorsWNA16", "float-quantized": "CompressedTensorsW8A8Fp8"}
+    # Without the group's format the top-level one decides, and "mixed-precision" names no scheme.
+    fp8 = next(g for g in written["config_groups"].values() if g["format"] == "float-quantized")
+    args = config.target_scheme_map[fp8["targets"][0]]
+    with pytest.raises(NotImplementedError):
+        config._get_scheme_from_parts(args["weights"], args["input_activations"], format=None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, EngineRules
 from quantkit.verify.findings import Finding
@@ -15,9 +14,6 @@ from quantkit.verify.structure import EXPERT, Stored
 
 def engine_findings(ckpt: Checkpoint, stored: dict[str, Stored], rules: EngineRules, tp: int) -> list[Finding]:
     found: list[Finding] = []
-    if quantization(ckpt.config).format == "mixed-precision" and not rules.serves_mixed_precision:
-        found.append(Finding("engine", f"{rules.name} serves one format per checkpoint",
-                             "format mixed-precision (INT4 + FP8) is not confirmed to load on this engine"))
     where = lambda module: ckpt.tensors[f"{module}.weight_packed"].file  # noqa: E731
     for module, s in stored.items():
         if s.kind != "int4":
