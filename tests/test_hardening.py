@@ -273,6 +273,20 @@ def test_absurd_config_values_are_refused_at_once(tmp_path, field, value):
     assert r.exit_code == 1 and f"config.json: readable checkpoint: {field} = " in r.output
 
 
+@pytest.mark.parametrize("field, value, says", [("indexer_types", ["full"] * 3, "has 3 entries for num_hidden_layers = 4"),
+                                                ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"], "expected a list"),
+                                                ("indexer_types", "full", "expected a list")])
+def test_per_layer_lists_of_the_wrong_length_or_kind_are_refused(synthetic, tmp_path, field, value, says):
+    """A per-layer list shorter than the layers was an IndexError deep in plan's layout (GLM-5 configs carry two)."""
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    config = json.loads((synthetic["glm_moe_dsa"] / "config.json").read_text())
+    config.update({"num_hidden_layers": 4, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+                   "indexer_types": ["full"] * 4, field: value})
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("plan", folder, "-r", "glm5-int4-experts-g32"), "config.json", field, says)
+
+
 def test_an_unreadable_quantization_config_is_one_line_naming_config_json(llama_int4, tmp_path):
     dst = tmp_path / "bad"
     shutil.copytree(llama_int4, dst)

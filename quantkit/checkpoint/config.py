@@ -24,6 +24,8 @@ LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "hidden_siz
           "index_head_dim": 1 << 16, "index_n_heads": 4096,
           "max_position_embeddings": 1 << 24}  # the context eval's needle tasks and calibration lengths check against
 _DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# One entry per decoder layer, read by checkpoint/layout.py (transformers' glm_moe_dsa and deepseek_v3 configs).
+LAYER_LISTS = {"mlp_layer_types": ("dense", "sparse"), "indexer_types": ("full", "shared")}
 
 
 def check_config(config: dict, path: Path) -> None:
@@ -34,6 +36,7 @@ def check_config(config: dict, path: Path) -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
             raise QuantkitError(f"{key} = {value!r}: expected an integer from 0 to {limit:,}", path)
+    _check_layer_lists(config, path)
     qc = config.get("quantization_config")
     if qc is None:
         return
@@ -48,6 +51,18 @@ def check_config(config: dict, path: Path) -> None:
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise QuantkitError(f"quantization_config.fmt = {fmt!r}: only e4m3 block-FP8 releases are supported", path)
+
+
+def _check_layer_lists(config: dict, path: Path) -> None:
+    layers = config.get("num_hidden_layers")
+    for key, allowed in LAYER_LISTS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or any(v not in allowed for v in value):
+            raise QuantkitError(f"{key}: expected a list of {' or '.join(map(repr, allowed))}", path)
+        if layers is not None and len(value) != layers:
+            raise QuantkitError(f"{key} has {len(value)} entries for num_hidden_layers = {layers}", path)
 
 
 def model_dtype_code(config: dict) -> str:
