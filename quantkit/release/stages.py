@@ -164,7 +164,8 @@ def _verify(chain: Chain) -> Outcome:
     _write_json(chain.work / "verify.json", report)
     if not report.passed:
         first = report.findings[0]
-        raise QuantkitError(f"{len(report.findings)} finding(s), first: {first.check} {first.tensor or first.file}: "
+        where = first.tensor or first.file or first.rule  # a finding about the whole checkpoint names its rule
+        raise QuantkitError(f"{len(report.findings)} finding(s), first: {first.check} {where}: "
                             f"{first.message} (all in {chain.work / 'verify.json'})")
     return f"passed for {v.engine} tp={v.tp}"
 
