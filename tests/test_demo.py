@@ -10,9 +10,19 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 
-pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
+def test_the_margin_follows_the_suites_own_rule_for_the_items_asked_for(tmp_path):
+    from quantkit.examples.demo import _suite, planned_margin
+    from quantkit.packaged import suite_path
+
+    built_in = yaml.safe_load(suite_path("small-model").read_text())["tasks"]["arc_easy"]["margin"]
+    assert planned_margin(500) == built_in == 4.0  # the rule reproduces the margin chosen for the default 500 items
+    assert planned_margin(200) == 6.0 and planned_margin(2376) == 2.0  # fewer items certify less
+    written = yaml.safe_load(_suite(tmp_path, 200).read_text())
+    assert written["tasks"]["arc_easy"]["margin"] == 6.0 and written["sequential"] == {
+        "looks": [0.25, 0.5, 1.0], "spending": "obrien-fleming"}
 
 
+@pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_bf16, tmp_path):
     work = tmp_path / "demo"
     started = time.perf_counter()
@@ -20,8 +30,11 @@ def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_b
                                       "--source-model", str(smollm2_bf16)])
     seconds = time.perf_counter() - started
     assert result.exit_code == 0, result.output
+    print(result.output)
     print(f"demo CI variant: {seconds:.0f}s")
 
+    # 200 items certify a 6-point margin by the suite's own rule (4 at the demo's 500).
+    assert yaml.safe_load((work / "suite.yaml").read_text())["tasks"]["arc_easy"]["margin"] == 6.0
     # INT4 RTN costs this 135M model ARC points well beyond what 200 items leave room for: refused.
     int4 = json.loads((work / "release-int4" / "gate" / "verdict.json").read_text())
     assert not int4["passed"] and int4["tasks"][0]["delta"] < 0
