@@ -94,7 +94,7 @@ def test_group_64_on_an_engine_without_it(synthetic, tmp_path):
     recipe.write_text(recipe_path("glm5-int4-experts-g32").read_text().replace("group_size: 32", "group_size: 64"))
     convert(synthetic["glm_moe_dsa"], tmp_path / "out", recipe, device="cpu")
     assert verify(tmp_path / "out", smoke=False).passed  # sglang and vllm take 64
-    no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), None, True, asymmetric="")
+    no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), None, asymmetric="")
     engine = rules_of(verify(tmp_path / "out", engine=no64, smoke=False), "engine")
     assert len(engine) == 3 * 8 * 3 and all("group size 64" in f.message for f in engine)
 
