@@ -109,9 +109,7 @@ def demo(
                         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
         }
         path = work / f"release-{name}.yaml"
-        text = "# written by quantkit demo\n" + yaml.safe_dump(config, sort_keys=False)
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
+        _write_if_changed(path, "# written by quantkit demo\n" + yaml.safe_dump(config, sort_keys=False))
         state = work / f"release-{name}" / "release-state.json"
         stage_hook = (lambda record, n=name: on_stage(n, record)) if on_stage else None
         gate_dir = work / f"release-{name}" / "gate"
@@ -137,10 +135,8 @@ def _suite(work: Path, arc_items: int) -> Path:
     suite = yaml.safe_load(suite_path(SUITE).read_text())
     suite["tasks"]["arc_easy"]["margin"] = planned_margin(arc_items)
     path = work / "suite.yaml"
-    text = (f"# written by quantkit demo: the {SUITE} suite, ARC-Easy margin for {arc_items} items\n"
-            + yaml.safe_dump(suite, sort_keys=False))
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+    _write_if_changed(path, f"# written by quantkit demo: the {SUITE} suite, ARC-Easy margin for {arc_items} items\n"
+                      + yaml.safe_dump(suite, sort_keys=False))
     return path
 
 
@@ -149,5 +145,10 @@ def _slice(src: Path, dst: Path, n: int) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(src) as f:
         text = "".join(line for _, line in zip(range(n), f, strict=False))
-    if not dst.is_file() or dst.read_text() != text:
-        dst.write_text(text)
+    _write_if_changed(dst, text)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Leave a file that already says ``text`` untouched: a re-run resumes, and release fingerprints its inputs."""
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
