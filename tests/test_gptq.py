@@ -336,3 +336,23 @@ def test_without_llm_compressor_a_gptq_recipe_stops_before_writing(synthetic, tm
     with pytest.raises(QuantkitError, match=r"pip install 'quantkit\[gptq\]'"):
         convert(synthetic["llama"], tmp_path / "out", recipe, device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("importer", ["quantkit.convert.gptq:llmcompressor_gptq",
+                                      "quantkit.convert.signround:llmcompressor_autoround"])
+def test_importing_llm_compressor_through_quantkit_leaves_its_own_gptq_usable(importer):
+    """quantkit imports llm-compressor with its log off and stdout on stderr; llm-compressor 0.14 then skips
+    registering its METRIC level, which its CompressionLogger logs at after every module, so its own oneshot in
+    the same process failed ("Level 'METRIC' does not exist"). Nothing of its import reaches stdout."""
+    import subprocess
+    import sys
+
+    module, function = importer.split(":")
+    code = (f"from {module} import {function}; {function}()\n"
+            "import torch\n"
+            "from llmcompressor.utils.metric_logging import CompressionLogger\n"
+            "with CompressionLogger(torch.nn.Linear(2, 2)):\n"
+            "    pass\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == ""

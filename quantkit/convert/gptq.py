@@ -38,6 +38,7 @@ import torch
 from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import work_folder, write_safetensors
+from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
@@ -100,26 +101,12 @@ class GPTQResult:
 
 
 def llmcompressor_gptq():
-    """llm-compressor's GPTQ primitives (accumulate_hessian, quantize_weight). Importing llm-compressor
-    points its logger at the sys.stdout of that moment and logs there; it is imported with stdout
-    pointing at stderr, so its lines never mix into quantkit's output (``--json``). Its log is switched off:
-    it warns at import that no accelerator is present (quantkit runs on the device the user chose), and what
-    GPTQ did to each weight (its loss, a fallback to round-to-nearest) quantkit reports itself."""
-    import contextlib
-    import os
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):
-        chosen = "LLM_COMPRESSOR_LOG_DISABLED" in os.environ  # the user's own setting stands
-        os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")  # read once, by its import
-        try:
-            from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
-            from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
-        except ImportError as exc:
-            raise QuantkitError(f"GPTQ recipes need llm-compressor ({exc}); pip install 'quantkit[gptq]'") from exc
-        finally:
-            if not chosen:
-                os.environ.pop("LLM_COMPRESSOR_LOG_DISABLED", None)
+    """llm-compressor's GPTQ primitives (accumulate_hessian, quantize_weight), imported quietly
+    (quantkit.convert.llmcompressor_import): what GPTQ did to each weight (its loss, a fallback to
+    round-to-nearest) quantkit reports itself."""
+    with quiet_llmcompressor("GPTQ recipes need llm-compressor"):
+        from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
     return accumulate_hessian, quantize_weight
 
 

@@ -33,6 +33,7 @@ from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import work_folder, write_safetensors
 from quantkit.convert.gptq import _EXPERT, WORK_DIR, GPTQResult, LayerReport, _finished, _Phases, gptq_targets
+from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
@@ -42,26 +43,13 @@ _LOSS = re.compile(r"loss iter 0: ([0-9.eE+-]+) -> iter \d+: ([0-9.eE+-]+)")
 
 
 def llmcompressor_autoround():
-    """llm-compressor's AutoRoundModifier and the pieces its sequential pipeline drives it with, imported with
-    stdout pointing at stderr (its logger binds the stdout of that moment) and its log off (quantkit reports
-    per layer itself)."""
-    import os
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):
-        chosen = "LLM_COMPRESSOR_LOG_DISABLED" in os.environ
-        os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")
-        try:
-            from compressed_tensors.quantization.lifecycle.forward import quantize
-            from llmcompressor.core import State
-            from llmcompressor.modifiers.autoround import AutoRoundModifier
-            from llmcompressor.utils.helpers import DisableQuantization
-        except ImportError as exc:
-            raise QuantkitError(f"SignRound recipes need llm-compressor and auto-round ({exc}); "
-                                "pip install 'quantkit[gptq]'") from exc
-        finally:
-            if not chosen:
-                os.environ.pop("LLM_COMPRESSOR_LOG_DISABLED", None)
+    """llm-compressor's AutoRoundModifier and the pieces its sequential pipeline drives it with, imported quietly
+    (quantkit.convert.llmcompressor_import): quantkit reports per layer itself."""
+    with quiet_llmcompressor("SignRound recipes need llm-compressor and auto-round"):
+        from compressed_tensors.quantization.lifecycle.forward import quantize
+        from llmcompressor.core import State
+        from llmcompressor.modifiers.autoround import AutoRoundModifier
+        from llmcompressor.utils.helpers import DisableQuantization
     return AutoRoundModifier, State, DisableQuantization, quantize
 
 
