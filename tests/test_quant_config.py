@@ -94,6 +94,11 @@ def test_match_name_is_compressed_tensors_own():
     names = ["model.layers.3.mlp.experts.7.gate_proj", "lm_head", "model.layers.10.self_attn.o_proj"]
     targets = ["lm_head", "re:.*experts.*", "re:model\\.layers\\.1", "re:.*proj$", "model.layers.10.self_attn.o_proj"]
     assert [[ours.match_name(n, t) for t in targets] for n in names] == [[match_name(n, t) for t in targets] for n in names]
+    # the compiled form a plan uses, for one target and for several at once
+    for n in names:
+        assert [bool(ours.any_matcher([t])(n)) for t in targets] == [match_name(n, t) for t in targets]
+        for k in range(len(targets) + 1):
+            assert bool(ours.any_matcher(targets[:k])(n)) == any(match_name(n, t) for t in targets[:k])
 
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}

@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,7 +27,7 @@ from quantkit.formats.quant_config import (
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
-    match_name,
+    any_matcher,
     preset_scheme,
 )
 from quantkit.packaged import recipe_path
@@ -110,10 +112,19 @@ class Recipe:
     def groups_for(self, module: str, is_linear: bool) -> list[tuple[str, QuantizationScheme]]:
         """Every config group that targets ``module`` (none when ``ignore`` does): a recipe is
         only unambiguous when this has at most one entry."""
-        if any(match_name(module, ign) for ign in self.config.ignore or []):
+        ignored, groups = self._matchers
+        if ignored(module):
             return []
-        return [(name, scheme) for name, scheme in self.config.config_groups.items()
-                if any((t == "Linear" and is_linear) or match_name(module, t) for t in scheme.targets)]
+        return [(name, scheme) for name, scheme, linear, targeted in groups
+                if (linear and is_linear) or targeted(module)]
+
+    @cached_property
+    def _matchers(self) -> tuple[Callable[[str], object], list[tuple[str, QuantizationScheme, bool, Callable]]]:
+        """``ignore`` and each group's targets as one compiled matcher each (formats.quant_config.any_matcher),
+        and whether the group targets ``Linear``: a plan asks this of every module of a 700 GB checkpoint."""
+        return (any_matcher(self.config.ignore or []),
+                [(name, scheme, "Linear" in scheme.targets, any_matcher(scheme.targets))
+                 for name, scheme in self.config.config_groups.items()])
 
     def scheme_for(self, module: str, is_linear: bool) -> tuple[str, QuantizationScheme] | None:
         """The first config group whose targets match ``module`` (the first-match rule of
