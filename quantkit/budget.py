@@ -124,7 +124,7 @@ def budget(
     if not groups:
         raise QuantkitError(f"recipe {base.name} quantizes nothing to INT4 in this model", src)
     budget_bytes = parse_budget(size, ckpt.total_bytes)
-    others = _file_bytes(plan) - sum(o.nbytes for a in int4 for o in a.outputs)  # headers and untouched tensors
+    others = plan.file_bytes - sum(o.nbytes for a in int4 for o in a.outputs)  # headers and untouched tensors
     smallest = others + sum(min(g.bytes.values()) for g in groups)
     if budget_bytes < smallest:
         raise QuantkitError(f"--budget {size} is {budget_bytes:,} bytes; the smallest this recipe's groups allow is "
@@ -138,7 +138,7 @@ def budget(
     while True:  # the headers of the chosen formats differ a little from the base's: shrink the room until it fits
         _choose(groups, room)
         text = _recipe_text(base, groups, ckpt, budget_bytes)
-        written = _file_bytes(plan_conversion(ckpt, _recipe_from_text(text), 5 * 10**9))
+        written = plan_conversion(ckpt, _recipe_from_text(text), 5 * 10**9).file_bytes
         if written <= budget_bytes or room <= smallest - others:
             break
         room -= written - budget_bytes
@@ -164,14 +164,6 @@ def _recipe_from_text(text: str):
         path = Path(folder) / "recipe.yaml"
         path.write_text(text)
         return load_recipe(path)
-
-
-def _file_bytes(plan) -> int:
-    """The shard files' sizes as convert will write them: the tensors and each file's header, exactly."""
-    from quantkit.checkpoint.writer import safetensors_header
-
-    return sum(s.nbytes + len(safetensors_header([(o.name, o.dtype, o.shape) for o in s.tensors], {"format": "pt"}))
-               for s in plan.shards)
 
 
 def _groups(actions, ckpt) -> list[Group]:

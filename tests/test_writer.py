@@ -58,3 +58,27 @@ def test_a_failed_writeback_is_a_write_error_naming_the_file(tmp_path, monkeypat
         write(tmp_path / "bad.safetensors", chunk=256 << 10)
     assert "bad.safetensors" in str(info.value)
     assert list(tmp_path.iterdir()) == []  # the partial file is gone
+
+
+def test_the_header_length_is_the_headers_without_building_it():
+    """plan counts header bytes from each tensor's entry length and size; the count equals the real header's
+    length for any names (quotes, backslashes, control characters, non-ASCII), shapes (0-D, empty dimensions,
+    large) and metadata."""
+    import math
+    import random
+
+    from quantkit.checkpoint.reader import DTYPES
+    from quantkit.checkpoint.writer import header_entry_chars, safetensors_header, safetensors_header_length
+
+    rng = random.Random(0)
+    alphabet = 'ab.7_"\\\t\nü€😀\x00/'
+    for _ in range(2000):
+        entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for _ in range(rng.choice([0, 1, 2, 5, 30])):
+            name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+            shape = tuple(rng.choice([0, 1, 7, 10, 99, 100, 12345, 10**6]) for _ in range(rng.randint(0, 4)))
+            entries[name] = (rng.choice(list(DTYPES)), shape)
+        metadata = rng.choice([None, {}, {"format": "pt"}, {"ü": 'x"y', "a": ""}])
+        listed = [(name, code, shape) for name, (code, shape) in entries.items()]
+        counted = [(header_entry_chars(*e), math.prod(e[2]) * DTYPES[e[1]][0]) for e in listed]
+        assert safetensors_header_length(counted, metadata) == len(safetensors_header(listed, metadata))

@@ -19,8 +19,10 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,32 @@ def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the spec pads the header to 8-byte alignment with spaces
     return len(raw).to_bytes(8, "little") + raw
+
+
+# One entry of safetensors_header's JSON less its name, dtype, shape digits and offset digits:
+# "":{"dtype":"","shape":[],"data_offsets":[,]} (the quotes around name and dtype counted with them).
+_ENTRY_CHARS = len(':{"dtype":,"shape":[],"data_offsets":[,]}')
+
+
+def header_entry_chars(name: str, code: str, shape: tuple[int, ...]) -> int:
+    """The characters of this tensor's entry in ``safetensors_header``'s JSON, its two offsets left out."""
+    return len(encode_basestring_ascii(name)) + len(code) + 2 + len(",".join(map(str, shape))) + _ENTRY_CHARS
+
+
+def safetensors_header_length(entries: Iterable[tuple[int, int]], metadata: dict[str, str] | None = None) -> int:
+    """``len(safetensors_header(...))`` for tensors given in order as (``header_entry_chars``, bytes), counted
+    without building the JSON: ``plan`` sizes the headers of some 180,000 tensors of a 700 GB checkpoint, and
+    only their lengths."""
+    chars = len(json.dumps({"__metadata__": metadata}, separators=(",", ":"))) if metadata else 2
+    items = 1 if metadata else 0
+    offset = 0
+    for entry_chars, nbytes in entries:
+        end = offset + nbytes
+        chars += entry_chars + len(str(offset)) + len(str(end))
+        offset = end
+        items += 1
+    chars += max(items - 1, 0)  # the commas between items
+    return 8 + chars + (-chars % 8)
 
 
 def tensor_code(t) -> str:

@@ -21,7 +21,7 @@ from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import ShardWriter
 from quantkit.convert.actions import GPTQ_DONE, run_action
-from quantkit.convert.tensor_plan import ConversionPlan, OutputShard
+from quantkit.convert.tensor_plan import SHARD_METADATA, ConversionPlan, OutputShard
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
@@ -203,7 +203,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
             failures.append(exc)
             stop.set()
 
-    with ShardWriter(job.dst / shard.name, entries, {"format": "pt"}) as writer:
+    with ShardWriter(job.dst / shard.name, entries, SHARD_METADATA) as writer:
         threads = [threading.Thread(target=read_ahead, daemon=True),
                    threading.Thread(target=write_behind, args=(writer,), daemon=True)]
         for t in threads:

@@ -14,16 +14,18 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from json.encoder import encode_basestring_ascii
 
 from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
 from quantkit.checkpoint.describe import described_by
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
+from quantkit.checkpoint.writer import header_entry_chars, safetensors_header_length
 from quantkit.errors import QuantkitError
 from quantkit.formats.quant_config import QuantizationScheme
 from quantkit.formats.recipe import Recipe
 from quantkit.formats.shapes import check_group_size, expected_scale_shape
+
+SHARD_METADATA = {"format": "pt"}  # the __metadata__ of every shard convert writes
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,13 @@ class OutputTensor:
     name: str
     dtype: str  # safetensors code
     shape: tuple[int, ...]
+    # Computed once, when planned: a plan of a 700 GB checkpoint reads both of its 180,000 tensors' several times.
+    nbytes: int = field(init=False, compare=False, repr=False)
+    header_chars: int = field(init=False, compare=False, repr=False)  # its safetensors header entry, offsets left out
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][0]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * DTYPES[self.dtype][0])
+        object.__setattr__(self, "header_chars", header_entry_chars(self.name, self.dtype, self.shape))
 
 
 class ActionKind(str, Enum):
@@ -87,6 +92,12 @@ class OutputShard:
     def source_bytes(self) -> int:
         return sum(a.source_bytes for a in self.actions)
 
+    @property
+    def file_bytes(self) -> int:
+        """The shard file's size as convert writes it: its tensors and its header, exactly."""
+        sizes = [(o.header_chars, o.nbytes) for o in self.tensors]
+        return safetensors_header_length(sizes, SHARD_METADATA) + sum(n for _, n in sizes)
+
 
 @dataclass
 class ConversionPlan:
@@ -97,6 +108,11 @@ class ConversionPlan:
     @property
     def output_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
+
+    @property
+    def file_bytes(self) -> int:
+        """The converted checkpoint's shard files, headers included, to the byte."""
+        return sum(s.file_bytes for s in self.shards)
 
     @property
     def weights_by_group(self) -> Counter[str]:
@@ -161,11 +177,11 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
 
 def _header_bound(o: OutputTensor) -> int:
     """An upper bound on this tensor's share of a safetensors header (offsets up to 20 digits): the
-    length of ``json.dumps({name: {"dtype": .., "shape": [..], "data_offsets": [0, 0]}})`` + 40, counted
-    without building the JSON (planning a 700 GB checkpoint sizes some 180,000 tensors)."""
-    shape = ", ".join(str(d) for d in o.shape)
-    return (len(encode_basestring_ascii(o.name)) + len(encode_basestring_ascii(o.dtype)) + len(shape)
-            + len('{: {"dtype": , "shape": [], "data_offsets": [0, 0]}}') + 40)
+    length of ``json.dumps({name: {"dtype": .., "shape": [..], "data_offsets": [0, 0]}})`` + 40, which
+    is the compact entry (``header_chars``) with the two zeros, the braces, ``json.dumps``' seven spaces
+    after its colons and commas and one more per comma in the shape, and 40. It cuts the shards: changing
+    it moves tensors between shards of every checkpoint."""
+    return o.header_chars + max(len(o.shape) - 1, 0) + 51
 
 
 def _assign_shards(actions: list[Action], max_shard_size: int) -> list[OutputShard]:
@@ -185,7 +201,7 @@ def _assign_shards(actions: list[Action], max_shard_size: int) -> list[OutputSha
 
 
 def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Action:
-    where = lambda info: ckpt.root / info.file  # noqa: E731
+    where = lambda info: ckpt.root / info.file  # noqa: E731  (built for an error only: planning is per weight)
     if "weight_packed" in params:
         return _int4_source_action(module, params, ckpt, recipe, source_ct, dtype)
 
@@ -215,7 +231,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
         return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype,
                                                                              weight.shape),), "other")
 
-    match = _recipe_group(recipe, module, is_linear_weight(weight.name, len(weight.shape)), where(weight), weight.name)
+    match = _recipe_group(recipe, module, is_linear_weight(weight.name, len(weight.shape)), ckpt, weight)
     if match is None:
         out_dtype = dtype if encoding == "fp8_block" else weight.dtype
         kind = ActionKind.DEQUANTIZE if encoding == "fp8_block" else ActionKind.KEEP_FLOAT
@@ -252,25 +268,25 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
 
 def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Action:
     packed = params["weight_packed"]
-    path = ckpt.root / packed.file
+    where = lambda: ckpt.root / packed.file  # noqa: E731  (built for an error only: planning is per weight)
     for needed in ("weight_scale", "weight_shape"):
         if needed not in params:
-            raise QuantkitError(f"packed INT4 weight without its {needed}", path, packed.name)
+            raise QuantkitError(f"packed INT4 weight without its {needed}", where(), packed.name)
     if "weight_zero_point" in params:
-        raise QuantkitError("asymmetric INT4 source (weight_zero_point) is not supported", path, packed.name)
+        raise QuantkitError("asymmetric INT4 source (weight_zero_point) is not supported", where(), packed.name)
     scale = params["weight_scale"]
     sources = (packed.name, scale.name, params["weight_shape"].name)
     src = source_ct.scheme_for(module, True) if source_ct else None
     if src is None or not _is_int4_group(src[1]):
         raise QuantkitError("packed INT4 weight that the source's quantization_config does not "
-                            "describe", path, packed.name)
+                            "describe", where(), packed.name)
     src_scheme = src[1]
     if src_scheme.weights.strategy == "group":
         out_shape = (packed.shape[0], scale.shape[1] * src_scheme.weights.group_size)
     else:
         out_shape = (packed.shape[0], packed.shape[1] * 8)
     src_gs = out_shape[1] // scale.shape[1]
-    match = _recipe_group(recipe, module, True, path, packed.name)
+    match = _recipe_group(recipe, module, True, ckpt, packed)
     weight_name = f"{module}.weight"
     if match is None:
         return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),),
@@ -280,7 +296,8 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     group, scheme = match
     weights = scheme.weights
     if weights is None or not _is_int4_group(scheme):
-        raise QuantkitError(f"recipe group {group} re-quantizes an INT4 source to a non-INT4 scheme", path, packed.name)
+        raise QuantkitError(f"recipe group {group} re-quantizes an INT4 source to a non-INT4 scheme", where(),
+                            packed.name)
     if weights.model_dump() == src_scheme.weights.model_dump():
         outputs = tuple(
             OutputTensor(params[p].name, params[p].dtype, params[p].shape)
@@ -290,20 +307,20 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     gs = weights.group_size or out_shape[1]
     problem = check_group_size(out_shape[1], gs)
     if problem:
-        raise QuantkitError(problem, path, packed.name)
+        raise QuantkitError(problem, where(), packed.name)
     sym = weights.symmetric
     return Action(ActionKind.INT4_REQUANT, module, sources, _int4_outputs(module, out_shape, gs, scale.dtype, sym),
                   "int4_packed", group, gs, src_gs, symmetric=sym)
 
 
-def _recipe_group(recipe: Recipe, module: str, is_linear: bool, path, tensor: str) -> tuple[str,
-                                                                                            QuantizationScheme] | None:
+def _recipe_group(recipe: Recipe, module: str, is_linear: bool, ckpt: Checkpoint,
+                  weight: TensorInfo) -> tuple[str, QuantizationScheme] | None:
     """The one recipe group that targets ``module``, or None; two groups claiming it are refused
     (engines disagree on which one wins: compressed-tensors the first, vLLM the most specific)."""
     matches = recipe.groups_for(module, is_linear)
     if len(matches) > 1:
         raise QuantkitError(f"recipe groups {matches[0][0]} and {matches[1][0]} both target this module; "
-                            "give each module one group", path, tensor)
+                            "give each module one group", ckpt.root / weight.file, weight.name)
     return matches[0] if matches else None
 
 
