@@ -19,6 +19,7 @@ from quantkit.checkpoint.families import COMPONENTS, component, detect_family, r
 from quantkit.checkpoint.layout import model_tensors
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
+from quantkit.gc_pause import gc_paused
 from quantkit.settings import CONVERT
 
 GIB = 2**30
@@ -74,6 +75,7 @@ class PlanReport:
     assumptions: list[str] = field(default_factory=list)
 
 
+@gc_paused
 def plan(
     src: str | os.PathLike,
     recipe: str | None = None,
@@ -293,6 +295,7 @@ def memory_chart(report: PlanReport, path: Path) -> Path:
     return path
 
 
+@gc_paused
 def virtual_checkpoint(root: Path) -> Checkpoint:
     """The tensors a release of this config would hold, from config.json alone (no data)."""
     from quantkit.checkpoint.config import model_dtype_code

@@ -96,3 +96,35 @@ def test_the_header_bound_is_the_json_length_it_stands_for(name, shape):
     for dtype in ("I32", "BF16", "F8_E4M3"):
         o = OutputTensor(name, dtype, shape)
         assert _header_bound(o) == len(json.dumps({name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, 0]}})) + 40
+
+
+def test_planning_runs_with_the_cyclic_collector_paused_and_leaves_it_as_found(synthetic, monkeypatch):
+    """Planning a 700 GB checkpoint builds some 300,000 records and no cycles; the collector rescanning them as
+    they pile up took a third of plan's time. It is off while the plan is made, back as it was after, errors
+    included."""
+    import gc
+
+    from quantkit.convert import tensor_plan
+    from quantkit.gc_pause import gc_paused
+
+    seen = []
+    real = tensor_plan._assign_shards
+    monkeypatch.setattr(tensor_plan, "_assign_shards", lambda *a: (seen.append(gc.isenabled()), real(*a))[1])
+    assert gc.isenabled()
+    plan(synthetic["glm_moe_dsa"], "glm5-int4-experts-g32")
+    assert seen == [False] and gc.isenabled()
+
+    @gc_paused
+    def fails():
+        seen.append(gc.isenabled())
+        raise ValueError("stop")
+
+    with pytest.raises(ValueError):
+        fails()
+    assert seen[-1] is False and gc.isenabled()
+    gc.disable()
+    try:
+        gc_paused(lambda: None)()
+        assert not gc.isenabled()  # off before, off after: a nested pause does not switch it on
+    finally:
+        gc.enable()

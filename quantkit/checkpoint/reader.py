@@ -20,6 +20,7 @@ from pathlib import Path
 
 from quantkit.checkpoint.config import check_config
 from quantkit.errors import QuantkitError
+from quantkit.gc_pause import gc_paused
 
 INDEX_NAME = "model.safetensors.index.json"
 # Pickle-based formats: loading one runs arbitrary code, so we never do.
@@ -102,6 +103,7 @@ class Checkpoint:
         return h.hexdigest()
 
 
+@gc_paused
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read config.json, the index (if any) and every shard header; refuse anything unsafe."""
     root = Path(path)

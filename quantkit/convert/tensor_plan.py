@@ -24,6 +24,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.quant_config import QuantizationScheme
 from quantkit.formats.recipe import Recipe
 from quantkit.formats.shapes import check_group_size, expected_scale_shape
+from quantkit.gc_pause import gc_paused
 
 SHARD_METADATA = {"format": "pt"}  # the __metadata__ of every shard convert writes
 
@@ -129,6 +130,7 @@ class ConversionPlan:
         return h.hexdigest()
 
 
+@gc_paused
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> ConversionPlan:
     config = ckpt.config
     dtype = model_dtype_code(config)
