@@ -91,10 +91,10 @@ def test_cli(synthetic, tmp_path):
 def test_the_header_bound_is_the_json_length_it_stands_for(name, shape):
     import json
 
-    from quantkit.convert.tensor_plan import OutputTensor, _header_bound
+    from quantkit.convert.tensor_plan import _header_bound, output_tensor
 
     for dtype in ("I32", "BF16", "F8_E4M3"):
-        o = OutputTensor(name, dtype, shape)
+        o = output_tensor(name, dtype, shape)
         assert _header_bound(o) == len(json.dumps({name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, 0]}})) + 40
 
 

@@ -101,14 +101,13 @@ def is_linear_weight(name: str, ndim: int) -> bool:
 
 # What real block-FP8 releases keep in BF16: embeddings, lm_head, norms, the router and its
 # bias, the indexer's head weights, the MTP projection and head. Every other Linear is FP8.
-_RELEASE_KEEPS_BF16 = re.compile(
-    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.|indexer\.weights_proj|eh_proj|shared_head\.head)"
-)
+_RELEASE_KEEPS_BF16 = ("embed_tokens", "lm_head", "norm", ".mlp.gate.", "indexer.weights_proj", "eh_proj",
+                       "shared_head.head")
 
 
 def release_stores_fp8(name: str, ndim: int) -> bool:
     """Whether a block-FP8 release (DeepSeek-V3, GLM 5.x, Kimi K2 base) stores this tensor as FP8."""
-    return name.endswith(".weight") and ndim == 2 and not _RELEASE_KEEPS_BF16.search(name)
+    return name.endswith(".weight") and ndim == 2 and not any(part in name for part in _RELEASE_KEEPS_BF16)
 
 
 def mtp_extra_shapes(config: dict) -> dict[str, tuple[int, ...]]:

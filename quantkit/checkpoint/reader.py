@@ -17,6 +17,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from quantkit.checkpoint.config import check_config
 from quantkit.errors import QuantkitError
@@ -50,9 +51,9 @@ DTYPES: dict[str, tuple[int, str]] = {
 TORCH_TO_CODE = {torch_name: code for code, (_, torch_name) in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives and what it is, from the header alone."""
+class TensorInfo(NamedTuple):
+    """Where one tensor lives and what it is, from the header alone. A tuple: a GLM-5-sized checkpoint has
+    120,000 of them, which Python builds several times faster as tuples than as frozen dataclasses."""
 
     name: str
     file: str  # shard file name, relative to the checkpoint folder

@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
 from quantkit.checkpoint.describe import described_by
@@ -29,18 +30,21 @@ from quantkit.gc_pause import gc_paused
 SHARD_METADATA = {"format": "pt"}  # the __metadata__ of every shard convert writes
 
 
-@dataclass(frozen=True)
-class OutputTensor:
+class OutputTensor(NamedTuple):
+    """One tensor of the converted checkpoint, and what follows from its name, dtype and shape, computed once when
+    planned (``output_tensor``): a plan of a 700 GB checkpoint makes 180,000 of these and reads each several
+    times, so it is a tuple, which Python builds several times faster than a frozen dataclass."""
+
     name: str
     dtype: str  # safetensors code
     shape: tuple[int, ...]
-    # Computed once, when planned: a plan of a 700 GB checkpoint reads both of its 180,000 tensors' several times.
-    nbytes: int = field(init=False, compare=False, repr=False)
-    header_chars: int = field(init=False, compare=False, repr=False)  # its safetensors header entry, offsets left out
+    nbytes: int
+    header_chars: int  # its entry in the shard's safetensors header, offsets left out
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", math.prod(self.shape) * DTYPES[self.dtype][0])
-        object.__setattr__(self, "header_chars", header_entry_chars(self.name, self.dtype, self.shape))
+
+def output_tensor(name: str, dtype: str, shape: tuple[int, ...]) -> OutputTensor:
+    nbytes = math.prod(shape) * DTYPES[dtype][0]
+    return OutputTensor(name, dtype, shape, nbytes, header_entry_chars(name, dtype, shape))
 
 
 class ActionKind(str, Enum):
@@ -156,7 +160,7 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
     for name, info in tensors.items():
         if name not in claimed:
             actions.append(
-                Action(ActionKind.COPY, name.rpartition(".")[0], (name,), (OutputTensor(name, info.dtype,
+                Action(ActionKind.COPY, name.rpartition(".")[0], (name,), (output_tensor(name, info.dtype,
                                                                                         info.shape),), "other")
             )
 
@@ -230,14 +234,14 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             raise QuantkitError(f"weight_scale_inv beside a {weight.dtype} weight", where(scale_inv), scale_inv.name)
         encoding, sources = "float", (weight.name,)
     else:
-        return Action(ActionKind.COPY, module, (weight.name,), (OutputTensor(weight.name, weight.dtype,
+        return Action(ActionKind.COPY, module, (weight.name,), (output_tensor(weight.name, weight.dtype,
                                                                              weight.shape),), "other")
 
     match = _recipe_group(recipe, module, is_linear_weight(weight.name, len(weight.shape)), ckpt, weight)
     if match is None:
         out_dtype = dtype if encoding == "fp8_block" else weight.dtype
         kind = ActionKind.DEQUANTIZE if encoding == "fp8_block" else ActionKind.KEEP_FLOAT
-        return Action(kind, module, sources, (OutputTensor(weight.name, out_dtype, weight.shape),), encoding)
+        return Action(kind, module, sources, (output_tensor(weight.name, out_dtype, weight.shape),), encoding)
 
     group, scheme = match
     _check_linear(weight, ckpt)
@@ -256,8 +260,8 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             )
         rows, cols = expected_scale_shape(weight.shape, block)
         outputs = (
-            OutputTensor(weight.name, "F8_E4M3", weight.shape),
-            OutputTensor(f"{module}.weight_scale", "F32", (rows, cols)),
+            output_tensor(weight.name, "F8_E4M3", weight.shape),
+            output_tensor(f"{module}.weight_scale", "F32", (rows, cols)),
         )
         kind = ActionKind.FP8_KEEP if encoding == "fp8_block" else ActionKind.FP8_QUANTIZE
         return Action(kind, module, sources, outputs, encoding, group)
@@ -291,7 +295,7 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
     match = _recipe_group(recipe, module, True, ckpt, packed)
     weight_name = f"{module}.weight"
     if match is None:
-        return Action(ActionKind.INT4_DEQUANT, module, sources, (OutputTensor(weight_name, scale.dtype, out_shape),),
+        return Action(ActionKind.INT4_DEQUANT, module, sources, (output_tensor(weight_name, scale.dtype, out_shape),),
                       "int4_packed",
             source_group_size=src_gs,
         )
@@ -302,7 +306,7 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
                             packed.name)
     if weights.model_dump() == src_scheme.weights.model_dump():
         outputs = tuple(
-            OutputTensor(params[p].name, params[p].dtype, params[p].shape)
+            output_tensor(params[p].name, params[p].dtype, params[p].shape)
             for p in ("weight_packed", "weight_scale", "weight_shape")
         )
         return Action(ActionKind.INT4_KEEP, module, sources, outputs, "int4_packed", group, src_gs, src_gs)
@@ -328,11 +332,12 @@ def _recipe_group(recipe: Recipe, module: str, is_linear: bool, ckpt: Checkpoint
 
 def _int4_outputs(module: str, shape, gs: int, dtype: str, symmetric: bool = True) -> tuple[OutputTensor, ...]:
     out, inn = shape
-    zero_point = () if symmetric else (OutputTensor(f"{module}.weight_zero_point", "I32", ((out + 7) // 8, inn // gs)),)
+    zero_point = () if symmetric else (output_tensor(f"{module}.weight_zero_point", "I32",
+                                                     ((out + 7) // 8, inn // gs)),)
     return (
-        OutputTensor(f"{module}.weight_packed", "I32", (out, inn // 8)),
-        OutputTensor(f"{module}.weight_scale", dtype, (out, inn // gs)),
-        OutputTensor(f"{module}.weight_shape", "I64", (2,)),
+        output_tensor(f"{module}.weight_packed", "I32", (out, inn // 8)),
+        output_tensor(f"{module}.weight_scale", dtype, (out, inn // gs)),
+        output_tensor(f"{module}.weight_shape", "I64", (2,)),
     ) + zero_point
 
 
