@@ -109,7 +109,7 @@ def plan(
 
     component_of = _ComponentOf(config)
     sizes = _sizes_now(ckpt, component_of)
-    bytes_now = ckpt.total_bytes if from_headers else sum(i.nbytes for i in ckpt.tensors.values())
+    bytes_now = ckpt.total_bytes if from_headers else sum(c.bytes_now for c in sizes.values())
     bytes_after = _sizes_after(ckpt, recipe, max_shard_size, sizes, component_of) if recipe else None
     family = detect_family(config)
     kv_now = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
@@ -153,13 +153,13 @@ def plan(
 
 def _sizes_now(ckpt, component_of: _ComponentOf) -> dict[str, ComponentSize]:
     """Bytes and parameters of each component as the checkpoint stores them."""
-    from quantkit.checkpoint.inspection import tensor_params
+    from quantkit.checkpoint.inspection import param_count
 
     sizes = {name: ComponentSize() for name in COMPONENTS}
     for info in ckpt.tensors.values():
         c = sizes[component_of(info.name)]
         c.bytes_now += info.nbytes
-        c.params += tensor_params(info, ckpt)[0]
+        c.params += param_count(info)
     return sizes
 
 
@@ -174,7 +174,9 @@ def _sizes_after(ckpt, recipe: str, max_shard_size: str, sizes: dict[str, Compon
     conversion = plan_conversion(ckpt, load_recipe(recipe), parse_size(max_shard_size))
     for shard in conversion.shards:
         for a in shard.actions:  # an action's outputs are one module's: one component
-            sizes[component_of(a.outputs[0].name)].bytes_after += sum(o.nbytes for o in a.outputs)
+            size = sizes[component_of(a.outputs[0].name)]
+            for o in a.outputs:
+                size.bytes_after += o.nbytes
     return conversion.file_bytes
 
 

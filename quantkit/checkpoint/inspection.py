@@ -69,14 +69,25 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
 def tensor_params(info: TensorInfo, ckpt: Checkpoint) -> tuple[int, str]:
     """(parameters a tensor stores, their encoding); scales and shapes store none."""
     module, _, param = info.name.rpartition(".")
+    count = param_count(info)
     if param in _SCALE_PARAMS:
-        return 0, ""
+        return count, ""
     if param == "weight_packed":
         scale = ckpt.tensors.get(f"{module}.weight_scale")
         in_features = info.shape[1] * 8
         group = in_features // scale.shape[1] if scale is not None and len(scale.shape) == 2 else in_features
-        return info.shape[0] * in_features, f"int4 g{group}"
+        return count, f"int4 g{group}"
     if info.dtype in ("F8_E4M3", "F8_E5M2"):
         has_block_scale = f"{module}.weight_scale_inv" in ckpt.tensors or f"{module}.weight_scale" in ckpt.tensors
-        return info.numel, "fp8 block" if has_block_scale else "fp8"
-    return math.prod(info.shape), info.dtype.lower()
+        return count, "fp8 block" if has_block_scale else "fp8"
+    return count, info.dtype.lower()
+
+
+def param_count(info: TensorInfo) -> int:
+    """The parameters a tensor stores: eight per packed INT4 word, none in scales and shapes."""
+    param = info.name.rpartition(".")[2]
+    if param in _SCALE_PARAMS:
+        return 0
+    if param == "weight_packed":
+        return info.shape[0] * info.shape[1] * 8
+    return math.prod(info.shape)

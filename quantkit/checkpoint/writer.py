@@ -74,9 +74,17 @@ def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata
 _ENTRY_CHARS = len(':{"dtype":,"shape":[],"data_offsets":[,]}')
 
 
+_TYPE_CHARS: dict[tuple[str, tuple[int, ...]], int] = {}  # (dtype, shape) -> their characters: a model has few
+
+
 def header_entry_chars(name: str, code: str, shape: tuple[int, ...]) -> int:
     """The characters of this tensor's entry in ``safetensors_header``'s JSON, its two offsets left out."""
-    return len(encode_basestring_ascii(name)) + len(code) + 2 + len(",".join(map(str, shape))) + _ENTRY_CHARS
+    typed = _TYPE_CHARS.get((code, shape))
+    if typed is None:
+        if len(_TYPE_CHARS) > 4096:
+            _TYPE_CHARS.clear()
+        typed = _TYPE_CHARS[code, shape] = len(code) + 2 + len(",".join(map(str, shape))) + _ENTRY_CHARS
+    return len(encode_basestring_ascii(name)) + typed
 
 
 def safetensors_header_length(entries: Iterable[tuple[int, int]], metadata: dict[str, str] | None = None) -> int:

@@ -171,7 +171,8 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> Co
 
     actions.sort(key=order)
     for a in actions:
-        a.source_bytes = sum(tensors[s].nbytes for s in a.sources)
+        for s in a.sources:
+            a.source_bytes += tensors[s].nbytes
     plan = ConversionPlan(dtype, block, _assign_shards(actions, max_shard_size))
     taken = plan.weights_by_group
     for group, scheme in recipe.config.config_groups.items():
@@ -196,7 +197,9 @@ def _assign_shards(actions: list[Action], max_shard_size: int) -> list[OutputSha
     groups: list[list[Action]] = [[]]
     size = 64  # header length, braces, metadata, padding
     for a in actions:
-        n = sum(o.nbytes + _header_bound(o) for o in a.outputs)
+        n = 0
+        for o in a.outputs:
+            n += o.nbytes + _header_bound(o)
         if groups[-1] and size + n > max_shard_size:
             groups.append([])
             size = 64
