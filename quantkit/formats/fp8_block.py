@@ -19,7 +19,11 @@ RELEASE_QUANTIZATION_CONFIG = {
 
 
 def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+    """Each block's scale repeated over the block, cut to ``shape`` (a broadcast view copied once: on CUDA,
+    ``repeat_interleave`` copies its count to the device, which a CUDA graph cannot capture)."""
+    rows, cols = scale.shape
+    full = scale[:, None, :, None].expand(rows, block[0], cols, block[1]).reshape(rows * block[0], cols * block[1])
+    return full[: shape[0], : shape[1]]
 
 
 def dequantize_fp8_block(

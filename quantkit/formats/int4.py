@@ -32,13 +32,19 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     raise ImportError("quantkit's INT4 packing assumes a little-endian host")
 
 
+def _eps(w: torch.Tensor) -> torch.Tensor:
+    """The dtype's eps, a zero scale's replacement, made on the device (a copy from the host could not be captured
+    in a CUDA graph)."""
+    return torch.full((), torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (q int8 [out, in], scale [out, in/group_size] in w's dtype)."""
     out, inn = w.shape
     groups = w.reshape(out, inn // group_size, group_size)
     absmax = groups.abs().amax(dim=-1)
     scale = (absmax.to(torch.float32) / 7.5).to(w.dtype)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
+    scale = torch.where(scale == 0, _eps(w), scale)
     # in place on one fp32 copy: the division, rounding and clamp cost one allocation, not four
     q = groups.to(torch.float32, copy=True).div_(scale.to(torch.float32).unsqueeze(-1)).round_().clamp_(QMIN, QMAX)
     return q.to(torch.int8).reshape(out, inn), scale
@@ -53,7 +59,7 @@ def quantize_int4_asym(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     scale = (hi - lo) / (QMAX - QMIN)  # each step rounded to w's dtype, as compressed-tensors' observer computes it
     empty = scale == 0  # an all-zero group: compressed-tensors' zero point is its 0 / 0, which becomes 0
     zp = torch.where(empty, 0, (QMIN - lo / torch.where(empty, 1, scale)).clamp(QMIN, QMAX).round()).to(torch.int8)
-    scale = torch.where(empty, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
+    scale = torch.where(empty, _eps(w), scale)
     q = groups.to(torch.float32, copy=True).div_(scale.to(torch.float32).unsqueeze(-1))
     q = q.add_(zp.to(torch.float32).unsqueeze(-1)).round_().clamp_(QMIN, QMAX)
     return q.to(torch.int8).reshape(out, inn), scale, zp
