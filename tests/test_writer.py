@@ -1,13 +1,17 @@
-"""ShardWriter starts the disk while a shard is still being written, without changing a byte."""
+"""ShardWriter starts the disk while a shard is still being written, and hashes in a thread of its own, without
+changing a byte."""
 
 import errno
+import hashlib
 import os
+import random
+import threading
 
 import pytest
 import torch
 
 from quantkit.checkpoint import writer as writer_module
-from quantkit.checkpoint.writer import ShardWriter, sha256_file
+from quantkit.checkpoint.writer import BackgroundSha256, ShardWriter, sha256_file
 from quantkit.errors import QuantkitError
 
 TENSORS = {f"t{i}": torch.full((1000 + 37 * i, 64), i, dtype=torch.bfloat16) for i in range(12)}
@@ -82,3 +86,26 @@ def test_the_header_length_is_the_headers_without_building_it():
         listed = [(name, code, shape) for name, (code, shape) in entries.items()]
         counted = [(header_entry_chars(*e), math.prod(e[2]) * DTYPES[e[1]][0]) for e in listed]
         assert safetensors_header_length(counted, metadata) == len(safetensors_header(listed, metadata))
+
+
+def test_the_background_hash_is_hashlibs_sha256_of_the_chunks_in_order():
+    rng = random.Random(0)
+    chunks = [rng.randbytes(rng.choice([0, 1, 7, 4096, 1 << 20])) for _ in range(40)]
+    background = BackgroundSha256(depth=2)
+    for chunk in chunks:
+        background.update(memoryview(chunk))
+    assert background.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def hash_threads():
+    return sum(t.name == "sha256" for t in threading.enumerate())
+
+
+def test_a_writer_that_fails_or_finishes_leaves_no_hash_thread_behind(tmp_path):
+    before = hash_threads()
+    with pytest.raises(RuntimeError, match="planned"):
+        with ShardWriter(tmp_path / "bad.safetensors", ENTRIES) as w:
+            w.write("t0", TENSORS["t1"])  # not the planned tensor
+    write(tmp_path / "good.safetensors", chunk=256 << 10)
+    assert hash_threads() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["good.safetensors"]

@@ -18,7 +18,9 @@ import hashlib
 import json
 import math
 import os
+import queue
 import secrets
+import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -116,6 +118,35 @@ def _tensor_bytes(t) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+class BackgroundSha256:
+    """The sha256 of the bytes given to ``update``, computed in a thread of its own. A file's bytes must be hashed in
+    order, one core at about 1 GB/s (1.14 GB/s on an H200 host), slower than writing them to the page cache (2.8 GB/s
+    there): the writer hands each chunk over and goes on writing. At most ``depth`` chunks wait; the chunks must not
+    change until hashed (the writer's are views of tensors nobody writes to again)."""
+
+    def __init__(self, depth: int = 4):
+        self._digest = hashlib.sha256()
+        self._chunks: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self._digest.update(chunk)
+
+    def update(self, chunk) -> None:
+        self._chunks.put(chunk)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._chunks.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._digest.hexdigest()
+
+
 class ShardWriter:
     """Streams one safetensors file whose layout is known in advance.
 
@@ -129,7 +160,7 @@ class ShardWriter:
         self.entries = list(entries)
         self._next = 0
         self._tmp = partial_name(path)
-        self._digest = hashlib.sha256()
+        self._digest: Any = None  # the running hash, from __enter__ on
         self._size = 0
         self._file: Any = None  # the open partial file, between __enter__ and finish
         self._header = safetensors_header(self.entries, metadata)
@@ -138,6 +169,7 @@ class ShardWriter:
         self._waited = 0  # bytes known to be on the disk
 
     def __enter__(self) -> "ShardWriter":
+        self._digest = BackgroundSha256()
         self._file = self._guard(lambda: open_exclusive(self._tmp))
         self._emit(self._header)
         return self
@@ -177,6 +209,8 @@ class ShardWriter:
             raise write_error(self.path, exc) from exc
 
     def _abort(self) -> None:
+        if self._digest is not None:
+            self._digest.close()
         if self._file is not None:
             try:
                 self._file.close()
