@@ -14,12 +14,15 @@ import time
 
 import pytest
 import torch
-from conftest import tree_bytes
+from conftest import shard_of, tree_bytes
 from helpers import add_word_tokenizer, gptq_recipe
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from quantkit.cli import app
+from quantkit.checkpoint.writer import write_safetensors
 from quantkit.convert import convert
+from quantkit.convert.cuda_graphs import GraphCache
 from quantkit.examples.demo import DATA
 from quantkit.examples.synthetic import build_synthetic
 from quantkit.kv.calibrate import calibrate_kv
@@ -46,6 +49,60 @@ def test_rtn_on_every_device_spelling_equals_the_cpu_to_the_byte(synthetic, tmp_
         quantkit("convert", synthetic[family], out, "-r", recipe, "--device", spelling)
         got = tree_bytes(out)
         assert got == want, f"--device {spelling}: differs in {sorted(k for k in want if got.get(k) != want[k])}"
+
+
+def test_a_replayed_graph_gives_what_its_kernels_give_launched_one_by_one():
+    def fn(x, s):
+        w = x.to(torch.float32) * s
+        return (w / w.abs().amax(dim=-1, keepdim=True)).round().to(torch.int8), (~torch.isfinite(w)).sum()
+
+    cache, gen = GraphCache(), torch.Generator(device="cuda").manual_seed(0)
+
+    def inputs(i):
+        return (torch.randn(512, 256, device="cuda", generator=gen).to(torch.bfloat16),
+                torch.rand(512, 1, device="cuda", generator=gen) + i)
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        cache.capture("fn", fn, inputs(0))
+        for i in range(1, 4):
+            x, s = inputs(i)
+            got = [t.clone() for t in cache.run("fn", fn, (x, s))]  # the next replay overwrites the graph's outputs
+            assert all(torch.equal(g, w) for g, w in zip(got, fn(x, s), strict=True)), i
+        assert cache.replays == 3
+        x, s = inputs(4)
+        assert torch.equal(cache.run("another", fn, (x, s))[0], fn(x, s)[0])  # no graph: launched as it is
+    assert cache.replays == 3
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_conversions_replay_graphs_and_equal_the_cpu_to_the_byte(synthetic, tmp_path, monkeypatch, workers):
+    replays = []
+    run = GraphCache.run
+    monkeypatch.setattr(GraphCache, "run", lambda self, *a: (out := run(self, *a), replays.append(self.replays))[0])
+    for recipe in ("glm5-int4-experts-g32", "glm5-int4-experts-asym-g32"):
+        quantkit("convert", synthetic["glm_moe_dsa"], tmp_path / recipe / "cpu", "-r", recipe, "--device", "cpu")
+        replays.clear()
+        quantkit("convert", synthetic["glm_moe_dsa"], tmp_path / recipe / "cuda", "-r", recipe, "--device", "cuda",
+                 "--workers", workers)
+        assert replays and max(replays) > 10, recipe
+        assert tree_bytes(tmp_path / recipe / "cuda") == tree_bytes(tmp_path / recipe / "cpu"), recipe
+
+
+def test_bad_values_are_caught_in_replayed_graphs(glm_copy, tmp_path):
+    """A late expert's scale, replayed in a graph captured before the job started (from zeros)."""
+    late = "model.layers.2.mlp.experts.7.down_proj.weight_scale_inv"
+    zero = "model.layers.2.mlp.experts.6.down_proj.weight_scale_inv"
+    path = shard_of(glm_copy, late)
+    tensors = load_file(path)
+    tensors[zero] = torch.zeros_like(tensors[zero])
+    write_safetensors(path, tensors)
+    args = ["-r", "glm5-int4-experts-g32", "--device", "cuda", "--workers", "1"]
+    result = quantkit("convert", glm_copy, tmp_path / "zero", *args)
+    assert "decode to 0" in result.output and zero in result.output
+    tensors[late] = torch.full_like(tensors[late], float("inf"))
+    write_safetensors(path, tensors)
+    result = runner.invoke(app, ["convert", str(glm_copy), str(tmp_path / "inf"), *args])
+    assert result.exit_code != 0 and late in result.output and "NaN" in result.output
 
 
 def test_gptq_on_every_device_spelling(synthetic, tmp_path):

@@ -20,7 +20,8 @@ from typing import Any
 from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import ShardWriter
-from quantkit.convert.actions import GPTQ_DONE, run_action
+from quantkit.convert.actions import GPTQ_DONE, capture_graphs, frequent_computations, run_action
+from quantkit.convert.cuda_graphs import GraphCache
 from quantkit.convert.tensor_plan import SHARD_METADATA, ConversionPlan, OutputShard
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
@@ -111,12 +112,21 @@ def run_all(job: Job, todo: list[OutputShard], workers: int, devices: list[str])
 
 def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
     """A pool of ``workers`` threads, each job holding one device slot while it runs. On a GPU each slot has a CUDA
-    stream of its own: on the one default stream every job's waits (a finiteness check, the copies back) would wait
-    for every other job's kernels too."""
+    stream of its own (on the one default stream every job's waits, for its outputs, would wait for every other job's
+    kernels too) and CUDA graphs of its own, captured here before any job starts."""
     lock = threading.Lock()
     slots: queue.Queue[Slot] = queue.Queue()
+    frequent = None
     for i in range(workers):
-        slots.put(Slot(devices[i % len(devices)]))
+        slot = Slot(devices[i % len(devices)])
+        with slot.on_stream():
+            if slot.graphs is not None:  # CUDA: every slot's graphs before any job runs (convert/cuda_graphs.py)
+                if frequent is None:
+                    computed = [a for s in todo for a in s.actions if job.quantized is None
+                                or a.module not in job.quantized.files]
+                    frequent = frequent_computations(computed, job.plan, job.ckpt)
+                capture_graphs(slot.graphs, frequent, job.plan, job.ckpt, slot.device)
+        slots.put(slot)
 
     def one(shard: OutputShard) -> None:
         slot = slots.get()
@@ -141,10 +151,12 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
 
 @dataclass
 class Slot:
-    """A place a job runs: a device, and on a GPU the slot's own stream (made by the first job that uses it)."""
+    """A place a job runs: a device, and on a GPU the slot's own stream and CUDA graphs (made by the first job that
+    uses it; one job at a time uses them)."""
 
     device: str
     stream: Any = None
+    graphs: GraphCache | None = None
 
     def on_stream(self):
         if not self.device.startswith("cuda"):
@@ -152,7 +164,7 @@ class Slot:
         import torch
 
         if self.stream is None:
-            self.stream = torch.cuda.Stream(device=self.device)
+            self.stream, self.graphs = torch.cuda.Stream(device=self.device), GraphCache()
         return torch.cuda.stream(self.stream)
 
 
@@ -212,7 +224,8 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
             with slot.on_stream():
                 while (item := loaded.get()) is not _DONE:
                     action, tensors = item
-                    if not computed.put((action, run_action(action, tensors, job.plan, job.ckpt, device, stats))):
+                    if not computed.put((action, run_action(action, tensors, job.plan, job.ckpt, device, stats,
+                                                           slot.graphs))):
                         break
             computed.put(_DONE)
             threads[1].join()
