@@ -22,6 +22,11 @@ and every quantkit output is checked byte-identical to the first:
 
     python benchmarks/convert_speed.py --tmpfs --workdir /dev/shm/bench --gb 8 --device cuda --workers-list 4,8,16
 
+There each output shard size of ``--shard-sizes`` is run (a real GLM 5.2 has some 80 output shards of 5 GB, far more
+than workers; a few GB of source at 5 GB per shard has two, one job each), and ``--baseline DIR`` runs the code of
+another checkout (``git worktree add DIR REV``) beside each run, alternating, so that the two share the machine's
+state.
+
 Prints a Markdown table and writes the figures as JSON (--json).
 """
 
@@ -258,20 +263,25 @@ def output_digest(folder: Path) -> str:
 
 
 def tmpfs_main(args) -> None:
-    """Throughput with the disk taken away: the memory ceiling, quantkit at each worker count, model_free_ptq."""
+    """Throughput with the disk taken away: the memory ceiling, quantkit at each worker count and output shard size
+    (and the code before, alternating), model_free_ptq."""
     work = args.workdir
     src = build_source(work / "src", args.gb, args.shard_gb)
     gb = src["bytes"] / 1e9
     print(f"source {gb:.1f} GB in {src['shards']} shard(s) on {work}", flush=True)
+    codes = {"quantkit": None, **({"before": args.baseline.resolve()} if args.baseline else {})}
     runs, digests = {}, {}
-    for workers in [int(w) for w in args.workers_list.split(",")]:
-        r = run_quantkit(work / "src", work / "out", args.device, workers)
-        r["GBps"] = gb / r["in_process_seconds"]
-        digests[workers] = output_digest(work / "out")
-        runs[f"quantkit x{workers}"] = r
-        print(f"quantkit x{workers}: {r['in_process_seconds']:.1f}s in process ({r['GBps']:.2f} GB/s of input), "
-              f"{r['seconds']:.1f}s end to end, peak RSS {r['peak_rss_GiB']:.1f} GiB; stages {r['stage_seconds']}",
-              flush=True)
+    for size in args.shard_sizes.split(","):
+        for workers in [int(w) for w in args.workers_list.split(",")]:
+            for label, code in codes.items():
+                r = run_quantkit(work / "src", work / "out", args.device, workers, max_shard_size=size, code=code)
+                r["GBps"] = gb / r["in_process_seconds"]
+                digests[f"{label} {size} x{workers}"] = output_digest(work / "out")
+                runs[f"{label} {size} x{workers}"] = r
+                print(f"{label}, {size} shards ({r['shards']}), x{workers}: {r['in_process_seconds']:.2f}s in process "
+                      f"({r['GBps']:.2f} GB/s of input), {r['seconds']:.1f}s end to end, peak RSS "
+                      f"{r['peak_rss_GiB']:.1f} GiB; stages { {k: round(v, 1) for k, v in r['stage_seconds'].items()} }",
+                      flush=True)
     out_bytes = next(iter(runs.values()))["output_bytes"]
     ceilings = {}
     for workers in sorted({int(w) for w in args.workers_list.split(",")}):
@@ -285,11 +295,14 @@ def tmpfs_main(args) -> None:
     best = min(ceilings.values())
     print("\n| run | s | GB/s of input | share of the memory ceiling |\n|---|---|---|---|")
     for name, r in runs.items():
-        print(f"| {name} | {r['in_process_seconds']:.1f} | {r['GBps']:.2f} | {100 * best / r['in_process_seconds']:.0f} % |")
+        share = 100 * best / r["in_process_seconds"]
+        print(f"| {name} | {r['in_process_seconds']:.2f} | {r['GBps']:.2f} | {share:.0f} % |")
     print(f"| model_free_ptq x{args.peer_workers} (after imports) | {peer_work:.1f} | {gb / peer_work:.2f} | "
           f"{100 * best / peer_work:.0f} % |")
     print(f"| ceiling (best of {sorted(ceilings)}) | {best:.2f} | {gb / best:.2f} | 100 % |")
-    print("outputs identical across worker counts:", len(set(digests.values())) == 1, flush=True)
+    for size in args.shard_sizes.split(","):
+        same = {d for k, d in digests.items() if f" {size} " in k}
+        print(f"{size} shards: outputs identical across worker counts and code:", len(same) == 1, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"source": src, "runs": runs, "ceilings": ceilings, "peer": peer,
                                          "digests": digests}, indent=2, default=str))
@@ -324,13 +337,13 @@ RSS_WRAPPER = "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1
     "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)"
 
 
-def timed_run(cmd: list[str], env=None) -> dict:
+def timed_run(cmd: list[str], env=None, cwd=None) -> dict:
     """Wall time until the output is durable: a tool that leaves its writes in the page cache
     (safetensors' save_file does not fsync) pays for the flush in the final sync, as it would
     before anyone could rely on the files."""
     os.sync()
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, env=env, cwd=cwd)
     t1 = time.perf_counter()
     os.sync()
     seconds = time.perf_counter() - t0
@@ -346,17 +359,22 @@ NO_WRITEBACK = ("import sys; from quantkit.checkpoint import writer; "
                 "from quantkit.cli import app; sys.argv[0] = 'quantkit'; app()")
 
 
-def run_quantkit(src: Path, dst: Path, device: str, workers: int | None, writeback: bool = True) -> dict:
+def run_quantkit(src: Path, dst: Path, device: str, workers: int | None, writeback: bool = True,
+                 max_shard_size: str | None = None, code: Path | None = None) -> dict:
+    """quantkit's own conversion; ``code``: a checkout whose quantkit runs instead (``-m`` finds the working
+    directory's package first)."""
     shutil.rmtree(dst, ignore_errors=True)
     start = ["-m", "quantkit"] if writeback else ["-c", NO_WRITEBACK]
     cmd = [sys.executable, *start, "convert", str(src), str(dst), "--recipe", "glm5-int4-experts-g32",
            "--device", device, "--json"]
     if workers:
         cmd += ["--workers", str(workers)]
-    r = timed_run(cmd)
+    if max_shard_size:
+        cmd += ["--max-shard-size", max_shard_size]
+    r = timed_run(cmd, cwd=code or Path(__file__).resolve().parent.parent)
     result = json.loads(r.pop("stdout"))
     r.update(stage_seconds=result["stage_seconds"], in_process_seconds=result["seconds"],
-             output_bytes=result["output_bytes"], workers=result["workers"])
+             output_bytes=result["output_bytes"], workers=result["workers"], shards=result["shards_total"])
     return r
 
 
@@ -403,6 +421,8 @@ def main() -> None:
     ap.add_argument("--writeback-ab", action="store_true", help="also time a cold run without chunked writeback")
     ap.add_argument("--tmpfs", action="store_true", help="WORKDIR is in memory: the memory ceiling and worker counts")
     ap.add_argument("--workers-list", default="4,8,16", help="--tmpfs: quantkit's worker counts")
+    ap.add_argument("--shard-sizes", default="5GB", help="--tmpfs: quantkit's --max-shard-size values")
+    ap.add_argument("--baseline", type=Path, default=None, help="--tmpfs: a checkout of the code to compare with")
     args = ap.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
