@@ -180,3 +180,23 @@ def test_convert_leaves_the_process_thread_count_as_it_found_it(synthetic, tmp_p
     before = torch.get_num_threads()
     convert(synthetic["llama"], tmp_path / "out", "dense-w4a16-g128", device="cpu", workers=2)
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("family,recipe,graphed", [
+    ("glm_moe_dsa", "glm5-int4-experts-g32", {"down_proj", "gate_proj"}),  # gate and up share a shape
+    ("llama", "dense-w4a16-g128", set()),  # 2 layers: no computation 16 tensors share
+])
+def test_cuda_graphs_are_made_for_the_computations_many_tensors_share(synthetic, tmp_path, family, recipe, graphed):
+    from quantkit.convert.actions import GRAPH_MIN_TENSORS, frequent_computations
+    from quantkit.convert.tensor_plan import plan_conversion
+    from quantkit.formats.recipe import load_recipe
+
+    ckpt = open_checkpoint(synthetic[family])
+    plan = plan_conversion(ckpt, load_recipe(recipe), 5 * 10**9)
+    actions = [a for s in plan.shards for a in s.actions]
+    frequent = frequent_computations(actions, plan, ckpt)
+    assert {a.module.rsplit(".", 1)[1] for a in frequent} == graphed
+    for a in frequent:
+        shape = ckpt.tensors[a.sources[0]].shape
+        alike = [b for b in actions if b.kind == a.kind and ckpt.tensors[b.sources[0]].shape == shape]
+        assert len(alike) >= GRAPH_MIN_TENSORS
