@@ -2,7 +2,7 @@
 
 On CUDA a tensor costs one wait for the GPU, not one per step: its outputs, its zero-scale count and its finiteness
 check come back together at the end (the stage times then count the host's time per step; the GPU's work is counted in
-``pack``, where the host waits for it), and from the second tensor of a kind on, the device work is one CUDA graph
+``pack``, where the host waits for it); where many tensors share a computation, its device work is one CUDA graph
 replay (convert/cuda_graphs.py).
 """
 
