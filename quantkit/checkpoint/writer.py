@@ -120,9 +120,9 @@ def _tensor_bytes(t) -> memoryview:
 
 class BackgroundSha256:
     """The sha256 of the bytes given to ``update``, computed in a thread of its own. A file's bytes must be hashed in
-    order, one core at about 1 GB/s (1.14 GB/s on an H200 host), slower than writing them to the page cache (2.8 GB/s
-    there): the writer hands each chunk over and goes on writing. At most ``depth`` chunks wait; the chunks must not
-    change until hashed (the writer's are views of tensors nobody writes to again)."""
+    order, one core at about 1 GiB/s (1.14 GiB/s on an H200 host), slower than writing them to the page cache (2.78
+    GiB/s there): the writer hands each chunk over and goes on writing. At most ``depth`` chunks wait; the chunks
+    must not change until hashed (the writer's are views of tensors nobody writes to again)."""
 
     def __init__(self, depth: int = 4):
         self._digest = hashlib.sha256()

@@ -29,9 +29,6 @@ class GraphCache:
         self._pool: Any = None
         self.replays = 0
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
-
     def capture(self, key: Hashable, fn: Callable[..., tuple], inputs: tuple) -> None:
         """Capture ``fn(*inputs)`` (CUDA tensors in and out) on the current stream, after one warm-up run; only while
         no other thread uses the device. ``key`` must determine everything ``fn`` does besides its inputs' values."""

@@ -151,8 +151,8 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
 
 @dataclass
 class Slot:
-    """A place a job runs: a device, and on a GPU the slot's own stream and CUDA graphs (made by the first job that
-    uses it; one job at a time uses them)."""
+    """A place a job runs: a device, and on a GPU the slot's own stream and CUDA graphs (made when the pool is set up;
+    one job at a time uses them)."""
 
     device: str
     stream: Any = None
