@@ -94,6 +94,37 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
         assert torch.equal(mine[name], theirs[name]), name
 
 
+@pytest.mark.parametrize("actorder", [None, "static", "weight"])
+@pytest.mark.parametrize("hessian", ["positive definite, one dead column", "not positive definite"])
+def test_weights_sharing_a_hessian_quantize_as_llm_compressors_quantize_weight_given_a_copy_each(actorder, hessian):
+    """quantize_sharing_hessian (a GPU node's path for experts: all) orders and factorizes the one Hessian once;
+    llm-compressor's quantize_weight, given a copy per weight, gives the same weights, losses and fallbacks to the
+    bit (on a CPU, where both factorize item by item)."""
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+    from quantkit.formats import int4
+    from quantkit.formats.quant_config import QuantizationArgs
+
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.randn(5, 48, 256, generator=gen)
+    if hessian == "not positive definite":
+        h = -torch.eye(256)
+    else:
+        x = torch.randn(512, 256, generator=gen) * torch.linspace(0.1, 3, 256)
+        h = x.t() @ x / 512
+        h[:, 7] = h[7, :] = 0  # an input channel the calibration never moved
+    scale = torch.stack([int4.quantize_int4(w, 32)[1] for w in ws])
+    zp = torch.zeros_like(scale, dtype=torch.int8)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32,
+                            actorder=actorder).to_compressed_tensors()
+    want = quantize_weight(ws.clone(), h.expand(5, -1, -1).clone(), scale, zp, None, args, blocksize=64, percdamp=0.01)
+    got = quantize_sharing_hessian(ws.clone(), h, scale, zp, args, blocksize=64, percdamp=0.01)
+    for name, w, g in zip(("weights", "losses", "fallbacks"), want, got):
+        assert torch.equal(w, g), name
+    assert bool(got[2].all()) == (hessian == "not positive definite")
+
+
 # --- MoE: synthetic GLM-5 and DeepSeek-V3 ------------------------------------------------------
 
 @pytest.fixture(scope="module")

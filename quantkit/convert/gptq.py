@@ -38,6 +38,7 @@ import torch
 from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import work_folder, write_safetensors
+from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
@@ -369,18 +370,20 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
     lock = threading.Lock()
 
     def hessians_for(chunk) -> torch.Tensor:
-        """The chunk's normalized Hessians, stacked; each is normalized once and dropped after its last user
-        (stacking every batch up front would hold a copy of a shared Hessian per weight)."""
+        """The chunk's normalized Hessians: stacked [B, n, n], or the one [n, n] all its B > 1 weights share; each is
+        normalized once and dropped after its last user (stacking every batch up front would hold a copy of a
+        shared Hessian per weight)."""
         with lock:
             for _, key, _, _ in chunk:
                 if key not in shared:
                     shared[key] = hessians.normalized(key)
-            stacked = torch.stack([shared[key] for _, key, _, _ in chunk])
-            for _, key, _, _ in chunk:
+            keys = [key for _, key, _, _ in chunk]
+            found = shared[keys[0]] if len(keys) > 1 and len(set(keys)) == 1 else torch.stack([shared[k] for k in keys])
+            for key in keys:
                 users[key] -= 1
                 if users[key] == 0:
                     del shared[key]
-            return stacked
+            return found
 
     work = []
     for group in batches.values():
@@ -441,10 +444,14 @@ def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):
     gs = target.group_size
     scale = torch.stack([int4.quantize_int4(w, gs)[1] for w in ws])  # from the weights as decoded (model dtype)
     args = target.args.model_copy(update={"actorder": settings.actorder}).to_compressed_tensors()
+    zero_point = torch.zeros_like(scale, dtype=torch.int8)
     # fp32 in, as llm-compressor's prepare_batch stacks them: the result comes back in fp32 too
-    fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, torch.zeros_like(scale, dtype=torch.int8),
-                                           None, args,
-                                           blocksize=settings.block_size, percdamp=settings.dampening_frac)
+    if hs.ndim == 2:  # one Hessian for the whole batch: factorized once
+        fq, losses, fallback = quantize_sharing_hessian(ws.to(torch.float32), hs, scale, zero_point, args,
+                                                        blocksize=settings.block_size, percdamp=settings.dampening_frac)
+    else:
+        fq, losses, fallback = quantize_weight(ws.to(torch.float32), hs, scale, zero_point, None, args,
+                                               blocksize=settings.block_size, percdamp=settings.dampening_frac)
     # fq holds q * scale exactly in fp32, so dividing by the same scale gives q back exactly
     q = fq.div_(scale.float().repeat_interleave(gs, dim=-1)).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
     return q, scale, losses, fallback
