@@ -235,6 +235,26 @@ def test_resume_after_a_kill_at_any_layer_redoes_no_finished_layer_and_gives_the
     assert ours.shards == theirs.shards and ours.gptq_modules == theirs.gptq_modules
 
 
+def test_a_layer_file_that_cannot_be_written_stops_the_run_and_is_not_recorded(moe_runs, tmp_path, monkeypatch):
+    """A layer's file is written while the next layer is computed; its failure still stops the run, and only the
+    layers whose files are whole are in the manifest (a resume redoes the rest)."""
+    from quantkit.convert import gptq
+
+    run, real = moe_runs["glm_moe_dsa"], gptq.write_safetensors
+
+    def disk_full_at_layer_2(path, tensors, metadata=None):
+        if path.name == "layer-00002.safetensors":
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(gptq, "write_safetensors", disk_full_at_layer_2)
+    dst = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left"):
+        convert(run["src"], dst, run["all-recipe"], device="cpu")
+    assert list(load_manifest(dst).gptq_layers) == ["1"]
+    assert sorted(p.name for p in (dst / WORK_DIR).iterdir()) == ["layer-00001.safetensors"]
+
+
 def test_a_different_calibration_is_a_different_run(moe_runs, tmp_path):
     run = moe_runs["glm_moe_dsa"]
     dst = tmp_path / "out"

@@ -27,7 +27,7 @@ import json
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +161,7 @@ def run_gptq(
         return result
     walk = LayerWalk(ckpt, batches, devices[0], attention="eager")
     last = max(targets)
-    with TensorReader(ckpt) as reader:
+    with TensorReader(ckpt) as reader, _LayerFiles(dst, manifest) as files:
         for i in range(last + 1):
             started = time.perf_counter()
             phases = _Phases(devices[0])
@@ -174,17 +174,8 @@ def run_gptq(
                 layer = walk.load(i, state)
                 records = _quantize_layer(walk, i, layer, state, layer_targets, recipe, devices, phases)
                 del layer
-                phases.start("write")
-                tensors = {}
-                for t in layer_targets:
-                    tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
-                    tensors[f"{t.module}.weight_scale"] = records[t.module].pop("scale")
-                meta = {t.module: GPTQModuleRecord(**records[t.module]).model_dump() for t in layer_targets}
-                written = write_safetensors(path, tensors, {"format": "pt", "quantkit_gptq": json.dumps(meta)})
-                manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
-                manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
-                manifest.save(dst)
-                phases.stop()
+                with phases("write"):  # the wait for the previous layer's file, if it is still being written
+                    files.write(i, path, layer_targets, records)
             if layer_targets and reused:  # a layer quantized just now already holds these values in state
                 _substitute(path, layer_targets, state)
             if i < last:  # the next layer's inputs, through this layer as it will be served
@@ -203,6 +194,47 @@ def run_gptq(
                 if on_layer:
                     on_layer(report, len(targets))
     return result
+
+
+class _LayerFiles:
+    """Writes each quantized layer's file in a thread of its own while the walk goes on to the next layer (a GLM-5
+    layer's is 5.4 GB: seconds of disk time). A layer enters the manifest only once its file is whole, so a run
+    killed while it is written redoes that layer; on the way out (finished, or an exception from the walk or the
+    caller's callback) the layer in flight is finished and recorded."""
+
+    def __init__(self, dst: Path, manifest: Manifest):
+        self.dst, self.manifest = dst, manifest
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-gptq-write")
+        self._pending: tuple[int, Future] | None = None
+
+    def write(self, i: int, path: Path, targets: list[Target], records: dict[str, dict]) -> None:
+        tensors = {}
+        for t in targets:
+            tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
+            tensors[f"{t.module}.weight_scale"] = records[t.module].pop("scale")
+        meta = {t.module: GPTQModuleRecord(**records[t.module]).model_dump() for t in targets}
+        self.wait()  # one layer in flight: the host holds at most two layers' packed weights
+        self.manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
+        self._pending = (i, self._pool.submit(write_safetensors, path, tensors,
+                                              {"format": "pt", "quantkit_gptq": json.dumps(meta)}))
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        i, future = self._pending
+        self._pending = None
+        written = future.result()
+        self.manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
+        self.manifest.save(self.dst)
+
+    def __enter__(self) -> "_LayerFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
 
 
 class _Phases:
