@@ -5,7 +5,9 @@ calibration hidden states through it while collecting each targeted weight's Hes
 with llm-compressor's own GPTQ (``quantize_weight``; same-shape weights such as one layer's
 experts in batches), put the quantized weights back and run the inputs again to get the next
 layer's inputs, so errors propagate as in llm-compressor's sequential pipeline. Peak memory: one
-decoded layer, its Hessians and the hidden states.
+decoded layer, its Hessians and the hidden states. On a GPU a half-precision input's Hessian is summed
+on tensor cores and weights that share one Hessian are quantized against one factorization of it
+(convert/gptq_shared_hessian.py); docs/gptq.md states the tolerance both hold against llm-compressor.
 
 Each finished layer's packed weights and scales go to ``DST/.quantkit-gptq/layer-NNNNN.safetensors``
 and into the manifest, so a killed run redoes no finished layer: the inputs of the next layer are
@@ -328,6 +330,7 @@ def _accumulate_on_tensor_cores(inp: torch.Tensor, hessian: torch.Tensor, num_sa
     this differs from llm-compressor's fp32 GEMM of sqrt(2) X by the rounding of fp32 sums alone: on one H200 a
     GLM-5 layer's Hessian phase takes 19 s instead of 39 s, and the result is 1.13x as far from the exact (fp64)
     Hessian as llm-compressor's (tests/test_gpu.py holds the tolerance; docs/gptq.md)."""
+    # torch.mm's out_dtype exists from torch 2.8; llm-compressor 0.14, which GPTQ needs, requires torch >= 2.10
     num_samples += inp.shape[0] if inp.ndim > 2 else 1  # accumulate_hessian counts a 2-D input as one sample
     x = inp.reshape(-1, inp.shape[-1]).to(hessian.device)
     hessian.add_(torch.mm(x.t(), x, out_dtype=torch.float32), alpha=2)
