@@ -10,7 +10,8 @@ suite (eval/suites/small-model.yaml), every candidate with a calibrated FP8 KV c
   int4-gptq  the same format, quantized by GPTQ on the built-in GSM8K-train calibration text;
   int4-budget  the MLP mostly INT4, each layer's format chosen by ``quantkit budget`` to fit 97 % of the source's
              bytes with the least measured damage (the most sensitive layers stay block-FP8);
-  fp8        the weights kept in their block-FP8 form: the prefill pool's weight format.
+  fp8        the MLP kept in its block-FP8 form, attention BF16: the prefill pool's weight format where the engines
+             take it (both refuse block-FP8 for SmolLM2's fused q/k/v, whose 576 query rows are not whole blocks).
 
 Each is published to a local folder only if its gate passes; the later ones reuse the first's
 baseline run. Nothing here is special-cased: each release is a config file like any other.
@@ -31,7 +32,7 @@ from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 DATA = evaldata_dir()
 SUITE = "small-model"  # built-in (quantkit.suites)
 CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "int4-gptq": "dense-mlp-w4a16-gptq-g32", "int4-budget": None,
-              "fp8": "dense-fp8-block"}
+              "fp8": "dense-mlp-fp8-block"}
 BUDGET = "0.97"  # of the block-FP8 source's bytes; all-INT4 MLPs take 0.949 (docs/demo.md)
 FLIP_SHARE = 0.14  # of ARC-Easy items whose correctness INT4 RTN of the MLP flips on this model (all 2,376 measured)
 
