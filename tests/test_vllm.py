@@ -67,7 +67,9 @@ def compare(hf_dir: Path, vllm_dir: Path, limits: dict[str, int]) -> None:
             if a.choice_logprobs is not None:
                 pairs = zip(a.choice_logprobs, b.choice_logprobs or [], strict=True)
                 assert all(close(x, y) for x, y in pairs), (task, item, a.choice_logprobs, b.choice_logprobs)
-                assert a.correct == b.correct, (task, item)
+                best, second = sorted(a.choice_logprobs, reverse=True)[:2]
+                if not close(best, second):  # a near tie in BF16 may go either way (seen: arc_easy-10)
+                    assert a.correct == b.correct, (task, item, a.choice_logprobs, b.choice_logprobs)
             else:  # greedy generation: the same answer, scored the same
                 assert (a.correct, a.generation) == (b.correct, b.generation), (task, item)
 
