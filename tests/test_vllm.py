@@ -101,7 +101,7 @@ def test_vllm_loads_the_int4_outputs(smollm2_bf16, vllm_cmd, tmp_path, recipe):
     if not _avx512():
         with pytest.raises(EngineError) as refused:
             evaluate(out, engine="vllm", out=tmp_path / "vllm", **options)
-        assert "failed during task arc_easy" in str(refused.value)
+        assert "during task arc_easy" in str(refused.value)  # "vllm exited with code 0 during task arc_easy; ..."
         log = (tmp_path / "vllm" / "server.log").read_text()
         assert "Using CPUWNA16LinearKernel" in log and "cpu_gemm_wna16" in log  # loaded, then no kernel to run
         return
