@@ -23,11 +23,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from quantkit.engines.kernels import ROW_PARALLEL
 from quantkit.engines.loaders import LoaderRules
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 _EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.(gate|up|down)_proj$")
-_ROW_PARALLEL = ("o_proj", "down_proj")
 # Engine modules built without the quantization config, which never ask it: the DSA indexer's fused wk and
 # weights_proj, always bf16 (SGLang 0.5.23 sglang/srt/layers/attention/dsa/dsa_indexer.py:352-359; vLLM 0.33.0
 # vllm/model_executor/models/deepseek_v2.py:709-718, quant_config=None).
@@ -68,7 +68,7 @@ def _linear_class(name: str, members: list[str]) -> str:
         return "QKVParallelLinear"
     if len(members) > 1:
         return "MergedColumnParallelLinear"
-    return "RowParallelLinear" if name.rsplit(".", 1)[-1] in _ROW_PARALLEL else "ColumnParallelLinear"
+    return "RowParallelLinear" if ROW_PARALLEL.search(name) else "ColumnParallelLinear"
 
 
 class SchemeError(ValueError):
