@@ -126,6 +126,28 @@ def test_cli_exit_codes(tmp_path):
     assert bad.exit_code == 1 and json.loads(bad.stdout)["passed"] is False
 
 
+def test_without_a_suite_the_tasks_both_runs_hold_are_gated_and_named(tmp_path):
+    rng = random.Random(3)
+    arc = [int(rng.random() < 0.6) for _ in range(400)]
+    gsm = [int(rng.random() < 0.3) for _ in range(50)]
+    a = write_run(tmp_path / "a", {"arc_easy": arc, "gsm8k": gsm})
+    b = write_run(tmp_path / "b", {"arc_easy": arc})  # the candidate was evaluated on ARC-Easy alone
+    report = gate(a, b, margin=3.0)
+    assert [(t.task, t.margin) for t in report.tasks] == [("arc_easy", 3.0)] and report.passed
+    assert report.correction == "bonferroni over 1 tasks"
+    assert report.gated == "no suite named: gated the 1 task(s) both runs hold (arc_easy) under the release suite's rules"
+    both = write_run(tmp_path / "d", {"arc_easy": arc, "arc_challenge": arc[:100]})
+    assert [t.margin for t in gate(both, both).tasks] == [1.0, 1.0]  # the release suite's where --margin is not given
+    r = CliRunner().invoke(app, ["gate", str(a), str(b), "--margin", "3"])
+    assert r.exit_code == 0 and "No suite named: gated the 1 task(s) both runs hold (arc_easy)" in r.output
+    other = write_run(tmp_path / "c", {"mmlu": [1, 0, 1]})
+    r = CliRunner().invoke(app, ["gate", str(a), str(other), "--margin", "3"])
+    assert r.exit_code == 2 and "the runs share no task (baseline: arc_easy, gsm8k; candidate: mmlu)" in r.output
+    # a suite is a demand: every task it names must be in both runs
+    with pytest.raises(CannotCompare, match="task gsm8k is not in this run"):
+        gate(a, b, suite=suite(tmp_path, ["arc_easy", "gsm8k"]))
+
+
 def _lines(run, task="arc_easy"):
     return [json.loads(line) for line in (run / "samples" / f"{task}.jsonl").read_text().splitlines()]
 

@@ -168,6 +168,7 @@ class GateReport(_Strict):
     allowed_differences: list[str] = Field(default_factory=list)  # by the suite's may_differ
     behaviour: list[BehaviourCheck] = Field(default_factory=list)  # generative tasks: length, runaways
     noise_run: str | None = None  # the A/A run of the baseline's model
+    gated: str | None = None  # with no suite named: which tasks were gated, and why those
     noise: list[NoiseFloor] = Field(default_factory=list)
     report_files: list[str] = Field(default_factory=list)
     decision: Decision = "fail"
@@ -227,6 +228,14 @@ def gate(
     except QuantkitError as exc:
         raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(Path(baseline)), read_run_record(Path(candidate))
+    gated = None
+    if suite is None:
+        spec, gated = _shared_tasks(spec, margin, base_record, cand_record, candidate)
+    for record, run in ((base_record, baseline), (cand_record, candidate)):
+        missing = [t for t in spec.tasks if t not in record.tasks]
+        if missing:
+            raise CannotCompare(f"task {missing[0]} is not in this run (the suite gates {', '.join(spec.tasks)})",
+                                Path(run) / "run.json")
     allowed = _allowed_differences(spec, base_record, cand_record, candidate)
     k = len(spec.tasks)
     alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha  # two-sided, per task
@@ -265,6 +274,7 @@ def gate(
         allowed_differences=allowed,
         behaviour=behaviour,
         noise_run=str(noise) if noise is not None else None,
+        gated=gated,
         noise=floors,
         decision=decision,
         sequential=look,
@@ -278,13 +288,30 @@ def gate(
     return report
 
 
+def _shared_tasks(spec: Suite, margin: float | None, base: RunRecord, cand: RunRecord, candidate) -> tuple[Suite, str]:
+    """No suite named: the built-in suite's rules over the tasks both runs hold, each at the suite's margin for it (a
+    task the suite does not list: its default margin) unless ``margin`` is given. Evaluating a few tasks and gating
+    them is the everyday use; a suite file says which tasks must be there."""
+    shared = [t for t in base.tasks if t in cand.tasks]
+    if not shared:
+        raise CannotCompare(f"the runs share no task (baseline: {', '.join(base.tasks) or 'none'}; candidate: "
+                            f"{', '.join(cand.tasks) or 'none'})", Path(candidate) / "run.json")
+    default = margin if margin is not None else _SuiteFile.model_fields["margin"].default
+    tasks = {t: spec.tasks.get(t, default) for t in shared}
+    clusters = {t: key for t, key in spec.clusters.items() if t in tasks}
+    note = (f"no suite named: gated the {len(tasks)} task(s) both runs hold ({', '.join(tasks)}) under the "
+            f"{DEFAULT_SUITE} suite's rules")
+    return spec.model_copy(update={"tasks": tasks, "clusters": clusters}), note
+
+
 _LOOK_FIELD = re.compile(r"^tasks\.[^.]+\.(limit|items|order)$")  # what a sequential look changes in a run
 
 
 def _allowed_differences(spec: Suite, base: RunRecord, cand: RunRecord, candidate) -> list[str]:
     """The provenance differences of the two runs that the suite's ``may_differ`` allows; any other (a sequential
     look's item count aside) refuses the comparison."""
-    found = provenance_differences(base.model_dump(), cand.model_dump())
+    found = [d for d in provenance_differences(base.model_dump(), cand.model_dump())
+             if not d.startswith("tasks.") or d.split(".")[1].split(":")[0] in spec.tasks]  # a task not gated: unread
     allowed = [d for d in found if d.split(":", 1)[0] in spec.may_differ]
     looked = [d for d in found if spec.sequential and _LOOK_FIELD.match(d.split(":", 1)[0])]
     diffs = [d for d in found if d not in allowed and d not in looked]

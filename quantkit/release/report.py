@@ -67,6 +67,8 @@ def _blocks(report) -> list[tuple]:
                            ("p", f"Baseline {visible(report.baseline)}, candidate {visible(report.candidate)}; "
                                  f"intervals at {report.confidence:.2%} per task ({report.correction}; Tango's score "
                                  "interval for paired outcomes).")]
+    if report.gated:
+        blocks.append(("p", report.gated[0].upper() + report.gated[1:] + "."))
     look = report.sequential
     if look is not None:
         saved = 1 - look.items / look.population
