@@ -95,9 +95,11 @@ def budget(
     samples: int = 8,
     seq_len: int = 256,
     device: str = "auto",
+    dtype: str = "auto",
 ) -> BudgetResult:
     """Measure the sensitivity of RECIPE's INT4 groups in SOURCE and write the recipe that fits SIZE with the least
-    damage to OUT (a YAML recipe; its measurements in a comment at its top)."""
+    damage to OUT (a YAML recipe; its measurements in a comment at its top). ``dtype``: what the model computes in
+    (compute_dtype.py); each option's weights are quantized from the stored dtype, as convert quantizes them."""
     from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
     from quantkit.checkpoint.inspection import inspect_checkpoint
     from quantkit.checkpoint.reader import open_checkpoint
@@ -133,7 +135,7 @@ def budget(
     data_path = Path(data) if data else DEFAULT_DATA
     batches = calibration_batches(data_path, "text", samples, seq_len, 1, lambda: model_tokenizer(src),
                                   ckpt.config.get("vocab_size"), require_all=True)
-    _measure(ckpt, groups, batches, dev)
+    _measure(ckpt, groups, batches, dev, dtype)
     room = budget_bytes - others
     while True:  # the headers of the chosen formats differ a little from the base's: shrink the room until it fits
         _choose(groups, room)
@@ -195,15 +197,17 @@ def _order(name: str) -> tuple:
     return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
 
 
-def _measure(ckpt, groups: list[Group], batches, device: str) -> None:
+def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str) -> None:
     """Every group's KL in every option that fits it, with the rest of the model as the source holds it."""
     import torch
 
     from quantkit.checkpoint.config import fp8_block_size
+    from quantkit.compute_dtype import compute_dtype
     from quantkit.formats import fp8_block, int4
-    from quantkit.modeling import load_model
+    from quantkit.modeling import load_model, model_dtype
 
-    model = load_model(ckpt.root, device=device)
+    stored = model_dtype(ckpt.config)
+    model = load_model(ckpt.root, compute_dtype(dtype, device, stored), device=device)
     block = fp8_block_size(ckpt.config)
     with torch.no_grad():
         reference = [torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)
@@ -234,10 +238,11 @@ def _measure(ckpt, groups: list[Group], batches, device: str) -> None:
                     continue
                 for m, w in zip(modules, saved, strict=True):
                     if option == "fp8":
-                        q, s = fp8_block.quantize_fp8_block(w, block)
-                        m.weight.data = fp8_block.dequantize_fp8_block(q, s, block, w.dtype)
+                        q, s = fp8_block.quantize_fp8_block(w.to(stored), block)
+                        m.weight.data = fp8_block.dequantize_fp8_block(q, s, block, stored).to(w.dtype)
                     else:
-                        m.weight.data = int4.fake_quantize_int4(w, int(option.removeprefix("int4-g")))
+                        m.weight.data = int4.fake_quantize_int4(w.to(stored), int(option.removeprefix("int4-g")))
+                        m.weight.data = m.weight.data.to(w.dtype)
                 group.kl[option] = max(kl(), 0.0)
             for m, w in zip(modules, saved, strict=True):
                 m.weight.data = w

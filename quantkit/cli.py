@@ -53,6 +53,9 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, or a list: cuda:0
 TpOpt = Annotated[int, typer.Option(min=1, help="Tensor-parallel size.")]
 MaxShardSizeOpt = Annotated[str, typer.Option(help="Largest output shard (5GB, 512MiB, ...).")]
 BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Requests per forward pass (hf) or in flight (servers).")]
+DtypeOpt = Annotated[str, typer.Option(help="What the model computes in, its weights unchanged: auto (the model's "
+                                            "dtype on a GPU; on a CPU it or fp32, whichever a matmul probe finds "
+                                            "faster), bf16, fp16 or fp32.")]
 
 
 def _print_version(value: bool) -> None:
@@ -258,13 +261,14 @@ def calibrate_kv_cmd(
     seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence.")] = CALIBRATE.seq_len,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per forward pass.")] = CALIBRATE.batch_size,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = CALIBRATE.device,
+    dtype: DtypeOpt = CALIBRATE.dtype,
     json_out: JsonOpt = False,
 ) -> None:
     """FP8 (e4m3) KV-cache scales: absmax / 448 of what the engine caches (MLA: the latent), layer by layer."""
     from quantkit.kv.calibrate import calibrate_kv
 
     result = calibrate_kv(model, out=out_dir, in_place=in_place, data=data, text_field=text_field, samples=samples,
-                          seq_len=seq_len, batch_size=batch_size, device=device)
+                          seq_len=seq_len, batch_size=batch_size, device=device, dtype=dtype)
     if json_out:
         _emit_json(result)
         return
@@ -379,13 +383,14 @@ def budget_cmd(
     samples: Annotated[int, typer.Option(min=1, help="Sequences the sensitivity is measured on.")] = 8,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens per sequence.")] = 256,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Measure each INT4 group's sensitivity and write the recipe that fits a size budget with the least damage."""
     from quantkit.budget import budget
 
     result = budget(src, recipe=recipe, size=size, out=recipe_out, data=data, samples=samples, seq_len=seq_len,
-                    device=device)
+                    device=device, dtype=dtype)
     if json_out:
         _emit_json(result)
         return
@@ -430,6 +435,7 @@ def eval_cmd(
     repeat: Annotated[int, typer.Option(min=1, max=2, help="2: run everything a second time into RUN_DIR/repeat-2, "
                                                            "the engine's own noise floor for gate.")] = EVAL.repeat,
     device: Annotated[str, typer.Option(help="hf: auto, cpu, cuda or cuda:N.")] = EVAL.device,
+    dtype: DtypeOpt = EVAL.dtype,
     order: Annotated[str, typer.Option(help="file, or seeded: each task's items in a fixed seeded order (sequential "
                                             "gating).")] = "file",
     fraction: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="With --order seeded: the first share "
@@ -444,7 +450,7 @@ def eval_cmd(
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
                           kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
                           engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
-                          device=device, order=order, fraction=fraction, on_progress=on_progress,
+                          device=device, dtype=dtype, order=order, fraction=fraction, on_progress=on_progress,
                           on_launch=_print_launch, repeat=repeat)
     if json_out:
         _emit_json(result)

@@ -32,22 +32,25 @@ class _Catcher(torch.nn.Module):
 class LayerWalk:
     """The decoder layers of ``ckpt`` and the hidden states of ``batches`` in front of the next one."""
 
-    def __init__(self, ckpt: Checkpoint, batches: list[torch.Tensor], device: str = "cpu", attention: str = "sdpa"):
+    def __init__(self, ckpt: Checkpoint, batches: list[torch.Tensor], device: str = "cpu", attention: str = "sdpa",
+                 dtype: torch.dtype | None = None):
         """``attention``: transformers' attention implementation; GPTQ uses ``eager``, the one
-        llm-compressor forces during calibration, so both see the same activations to the bit."""
+        llm-compressor forces during calibration, so both see the same activations to the bit. ``dtype``: what the
+        layers compute in (default the model's; weights are decoded into it, exactly when it is wider)."""
         from transformers import AutoModelForCausalLM
 
         from quantkit.modeling import model_config, model_dtype
 
         self.ckpt, self.device = ckpt, device
-        self.dtype = model_dtype(ckpt.config)
+        self.stored = model_dtype(ckpt.config)
+        self.dtype = dtype or self.stored
         cfg = model_config(ckpt.config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation=attention)
         base = model.model
         with TensorReader(ckpt) as reader:
             base.embed_tokens.to_empty(device=device)
-            base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight"))
+            base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight").to(self.dtype))
         base.rotary_emb = type(base.rotary_emb)(config=cfg).to(device)
         self.layers = list(base.layers)
         base.layers[0] = _Catcher()
@@ -62,7 +65,8 @@ class LayerWalk:
 
     def read_layer(self, i: int, reader: TensorReader) -> dict[str, torch.Tensor]:
         """Layer ``i``'s tensors in on-disk names on the walk's device, every Linear weight decoded there
-        to the model dtype (a GPU decodes a GLM-5 layer's 10 G FP8 values far faster than the CPU)."""
+        to the model dtype (a GPU decodes a GLM-5 layer's 10 G FP8 values far faster than the CPU), as the engines
+        decode it, then widened to the dtype the walk computes in."""
         from quantkit.modeling import read_weight
 
         prefix = f"model.layers.{i}."
@@ -74,7 +78,8 @@ class LayerWalk:
             if param in _NOT_WEIGHTS:
                 continue
             if param in ("weight", "weight_packed"):
-                state[f"{module}.weight"] = read_weight(self.ckpt, reader, module, self.dtype, self.device)
+                weight = read_weight(self.ckpt, reader, module, self.stored, self.device)
+                state[f"{module}.weight"] = weight.to(self.dtype)
             else:
                 state[name] = reader.read(name).to(self.device)
         return state

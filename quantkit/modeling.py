@@ -150,15 +150,18 @@ def model_config(config: dict):
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
-    """A transformers model with every weight of ``path`` dequantized into it, strictly."""
+    """A transformers model with every weight of ``path`` dequantized into it, strictly, computing in ``dtype``
+    (default: the model's). Weights are decoded in the model's dtype first, as the engines decode them, so a wider
+    ``dtype`` changes the arithmetic and not the weights."""
     from transformers import AutoModelForCausalLM
 
     ckpt = open_checkpoint(path)
+    dtype = dtype or model_dtype(ckpt.config)
     # FP8 KV-cache scales belong to the engine's cache, not to the model's parameters
-    weights = {k: v for k, v in dequantized_state_dict(path, dtype).items() if not k.endswith((".k_scale", ".v_scale"))}
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in dequantized_state_dict(path).items()
+               if not k.endswith((".k_scale", ".v_scale"))}
     state = fuse_experts(weights, ckpt.config)
     cfg = model_config(ckpt.config)
-    dtype = dtype or next(iter(state.values())).dtype
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     expected = set(model.state_dict())
     if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" in expected and "lm_head.weight" not in state:

@@ -28,6 +28,7 @@ class CalibrateSettings(Section):
     seq_len: int = 2048
     batch_size: int = 4
     device: str = "auto"
+    dtype: str = "auto"  # what the layers compute in (compute_dtype.py)
 
 
 class VerifySettings(Section):
@@ -50,6 +51,7 @@ class EvalSettings(Section):
     mem_fraction: float | None = None
     health_timeout: float = 1800
     device: str = "auto"  # hf: where the model runs (auto: the first GPU, else the CPU)
+    dtype: str = "auto"  # hf: what the model computes in (compute_dtype.py: auto, bf16, fp16, fp32)
     repeat: int = Field(default=1, ge=1, le=2)  # 2: everything runs twice, the gate's engine-noise floor
 
 

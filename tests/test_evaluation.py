@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import evaldata
 
 from quantkit.errors import QuantkitError
@@ -94,6 +95,23 @@ def test_identical_runs_gate_and_other_settings_do_not(arc_run, smollm2_bf16, tm
     assert fp8.scores["arc_easy"]["n"] == 6
     with pytest.raises(CannotCompare, match="kv_cache_dtype"):
         gate(arc_run.run_dir, fp8.run_dir, suite=suite)
+
+
+def test_the_dtype_computed_in_is_recorded_and_runs_in_different_ones_are_not_compared(smollm2_bf16, tmp_path):
+    from quantkit.compute_dtype import dtype_name, faster_on_cpu
+
+    auto = evaluate(smollm2_bf16, tasks=["arc_easy"], data_dir=DATA, limit=2, out=tmp_path / "auto")
+    bf16 = evaluate(smollm2_bf16, tasks=["arc_easy"], data_dir=DATA, limit=2, out=tmp_path / "bf16", dtype="bf16")
+    recorded = [json.loads((Path(r.run_dir) / "run.json").read_text())["engine"]["args"]["dtype"] for r in (auto, bf16)]
+    assert recorded == [dtype_name(faster_on_cpu(torch.bfloat16)), "bfloat16"]
+    if recorded[0] != recorded[1]:  # on a CPU where BF16 is slower, auto computes in FP32 and the gate refuses the pair
+        suite = tmp_path / "suite.yaml"
+        suite.write_text("tasks:\n  arc_easy: {margin: 50.0}\n")
+        with pytest.raises(CannotCompare, match="engine.args.dtype: 'float32' vs 'bfloat16'"):
+            gate(auto.run_dir, bf16.run_dir, suite=suite)
+    with pytest.raises(QuantkitError, match="unknown compute dtype 'int8'"):
+        evaluate(smollm2_bf16, tasks=["arc_easy"], data_dir=DATA, limit=2, out=tmp_path / "x", dtype="int8")
+    assert not (tmp_path / "x").exists()
 
 
 def test_bad_input(smollm2_bf16, arc_run, tmp_path, synthetic):

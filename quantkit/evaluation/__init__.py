@@ -60,13 +60,13 @@ def evaluate(
     """Score MODEL on the tasks with one engine and keep every item's outcome in RUN_DIR (``out``).
 
     The engine's settings are an ``EvalSettings`` (quantkit/settings.py: engine, tasks, data_dir, limit,
-    kv_cache_dtype, batch_size, tp, ep, url, engine_cmd, mem_fraction, health_timeout, device, repeat), given whole
-    as ``settings`` or field by field as keywords (which override ``settings``).
+    kv_cache_dtype, batch_size, tp, ep, url, engine_cmd, mem_fraction, health_timeout, device, dtype, repeat), given
+    whole as ``settings`` or field by field as keywords (which override ``settings``).
 
-    ``hf`` runs the model in-process on ``device``; ``sglang`` starts a server from ``engine_cmd`` for the run
-    and stops it after; ``openai`` talks to a running server at ``url``. For the server engines MODEL is
-    still the local checkpoint: its tokenizer splits context from continuation, its checksums go
-    into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
+    ``hf`` runs the model in-process on ``device``, computing in ``dtype`` (compute_dtype.py); ``sglang`` starts a
+    server from ``engine_cmd`` for the run and stops it after; ``openai`` talks to a running server at ``url``. For
+    the server engines MODEL is still the local checkpoint: its tokenizer splits context from continuation, its
+    checksums go into the provenance. ``batch_size`` is requests per forward pass (hf) or in flight (servers).
     ``engine_cmd`` is executable configuration: it runs as given, and ``on_launch(argv)`` is told first.
     ``repeat=2`` runs everything again into RUN_DIR/repeat-2 with a request cache of its own: the engine's
     run-to-run noise, which ``gate`` uses as its floor. RUN_DIR is locked while the run writes into it.
@@ -114,6 +114,9 @@ def _check(s: EvalSettings, order: str, fraction: float | None) -> None:
         raise QuantkitError(f"unknown engine {s.engine!r} (known: {', '.join(ENGINES)})")
     for task in s.tasks or []:
         task_spec(task)
+    from quantkit.compute_dtype import check_dtype
+
+    check_dtype(s.dtype)
     if s.kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     if order not in ("file", "seeded"):

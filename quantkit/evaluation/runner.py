@@ -55,8 +55,10 @@ def evaluate_into(run: EvalRun, run_dir: Path, attempt: int) -> dict[str, TaskSc
         cache = RequestCache(cache_dir / "requests.jsonl", cache_binding(record, attempt))
         write_run_record(run_dir, record)
 
-        built = any(c.yaml is not None for c in run.configs.values())
-        manager = TaskManager(include_path=str(task_folder)) if built else TaskManager()
+        built = [c.yaml is not None for c in run.configs.values()]
+        # indexing lm-eval's own few thousand task files takes 10 s; a run of quantkit's files alone needs none
+        manager = (TaskManager(include_path=str(task_folder), include_defaults=not all(built)) if any(built)
+                   else TaskManager())
         stack.enter_context(_no_environment_probe())
         cached = CachedLM(engine.lm, cache)
         limits = task_limits(run.configs, run.settings.limit, run.fraction)

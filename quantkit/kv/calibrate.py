@@ -20,12 +20,14 @@ from quantkit.checkpoint.config import Quantization, quantization
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import LOCK_NAME, folder_lock
+from quantkit.compute_dtype import compute_dtype, dtype_name
 from quantkit.devices import resolve_device
 from quantkit.engines.kv_scales import engine_usage, scale_names
 from quantkit.errors import QuantkitError
 from quantkit.formats.fp8_block import FP8_MAX
 from quantkit.kv.hooks import KVObserver, kv_hooks
 from quantkit.layerwise import LayerWalk
+from quantkit.modeling import model_dtype
 from quantkit.settings import CALIBRATE
 
 SCALES_SHARD = "kv-scales.safetensors"
@@ -47,6 +49,7 @@ class KVCalibrationResult:
     peak_layer_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     engines: dict[str, str] = field(default_factory=dict)  # per engine: loaded where, used by which backends
+    dtype: str = ""  # what the layers computed in
 
 
 def calibrate_kv(
@@ -60,6 +63,7 @@ def calibrate_kv(
     seq_len: int = CALIBRATE.seq_len,
     batch_size: int = CALIBRATE.batch_size,
     device: str = CALIBRATE.device,
+    dtype: str = CALIBRATE.dtype,
     batches: list[torch.Tensor] | None = None,
 ) -> KVCalibrationResult:
     """Calibrate MODEL's FP8 KV scales; write them to OUT (a copy of MODEL) or into MODEL.
@@ -81,6 +85,7 @@ def calibrate_kv(
         _check_out(src, dst)
     config = dict(ckpt.config, quantization_config=_with_kv_scheme(quantization(ckpt.config, src / "config.json")))
     dev = resolve_device(device)
+    computed_in = compute_dtype(dtype, dev, model_dtype(ckpt.config))
     if batches is not None:
         seq_len = int(batches[0].shape[1])
     limit = int(ckpt.config.get("max_position_embeddings") or seq_len)
@@ -93,14 +98,15 @@ def calibrate_kv(
     if not in_place:
         dst.mkdir(parents=True, exist_ok=True)
     with folder_lock(dst):
-        observer, peak = layerwise_observe(ckpt, batches, dev)
+        observer, peak = layerwise_observe(ckpt, batches, dev, computed_in)
         scales = observer.scales()
         json_path, plot_path, engines = write_scales(ckpt, dst, scales, family.attention, copy=not in_place,
-                                                     config=config)
+                                                     config=config, dtype=dtype_name(computed_in))
     return KVCalibrationResult(
         model=str(src), out=str(dst), attention=family.attention, samples=sum(len(b) for b in batches),
         seq_len=int(batches[0].shape[1]), layers=len(scales), scales=scales, json_path=str(json_path),
         plot_path=str(plot_path), seconds=time.perf_counter() - started, peak_layer_bytes=peak, engines=engines,
+        dtype=dtype_name(computed_in),
     )
 
 
@@ -119,9 +125,10 @@ def _known_attention(config: dict) -> bool:
     return "kv_lora_rank" in config or "num_key_value_heads" in config or "num_attention_heads" in config
 
 
-def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu") -> tuple[KVObserver, int]:
+def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu",
+                      dtype: torch.dtype | None = None) -> tuple[KVObserver, int]:
     """Observe the cached KV of every decoder layer, one layer's weights in memory at a time."""
-    walk = LayerWalk(ckpt, batches, device)
+    walk = LayerWalk(ckpt, batches, device, dtype=dtype)
     attention = detect_family(ckpt.config).attention
     observer = KVObserver()
     peak = 0
@@ -151,7 +158,7 @@ def whole_model_observe(path, batches: list[torch.Tensor]) -> KVObserver:
 
 
 def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attention: str, copy: bool,
-                 config: dict | None = None) -> tuple[Path, Path, dict[str, str]]:
+                 config: dict | None = None, dtype: str | None = None) -> tuple[Path, Path, dict[str, str]]:
     """k_scale / v_scale tensors beside each attention module, kv_cache_scheme in the config (``config``: the
     model's config with it, when the caller has built it already), the index and manifest updated; DST starts
     as a copy (hard links where possible) of the model. Returns the JSON record, the plot and per engine where
@@ -202,8 +209,8 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     json_path = dst / "kv_scales.json"
     observed = "latent [kv_c_normed | k_pe]" if attention == "mla" else "post-RoPE K and V"
-    record: dict = {"attention": attention, "observed": observed,
-              "fp8_max": FP8_MAX, "engines": engine_usage(config),
+    record: dict = {"attention": attention, "observed": observed, "computed_in": dtype,
+                    "fp8_max": FP8_MAX, "engines": engine_usage(config),
               "layers": {str(i): {"k_scale": k, "v_scale": v} for i, (k, v) in scales.items()}}
     write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
     return json_path, _plot(scales, dst / "kv_scales.png", attention), record["engines"]

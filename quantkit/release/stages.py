@@ -152,7 +152,7 @@ def _calibrate(chain: Chain) -> Outcome:
 
     k = chain.config.calibrate_kv
     done = calibrate_kv(chain.model, in_place=True, data=chain.resolve(k.data), text_field=k.text_field,
-                        samples=k.samples, seq_len=k.seq_len, batch_size=k.batch_size, device=k.device)
+                        samples=k.samples, seq_len=k.seq_len, batch_size=k.batch_size, device=k.device, dtype=k.dtype)
     return f"{done.layers} layers, {done.samples} x {done.seq_len} tokens"
 
 
@@ -177,7 +177,7 @@ def _eval_baseline(chain: Chain) -> Outcome:
     ev, run = chain.config.eval, chain.baseline_run
     data_dir = chain.resolve(ev.data_dir)
     device = resolve_device(ev.device) if ev.engine == "hf" else None
-    settings = engine_settings(ev.engine, ev, device)
+    settings = engine_settings(ev.engine, ev, chain.source, device)
     repeated = ev.repeat == 1 or finished_run(run / REPEAT_DIR, chain.source, ev.engine, ev.tasks, data_dir,
                                               ev.limit, settings)
     if repeated and finished_run(run, chain.source, ev.engine, ev.tasks, data_dir, ev.limit, settings):

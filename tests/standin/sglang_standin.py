@@ -53,11 +53,15 @@ class Scorer:
             import torch
             from transformers import AutoTokenizer
 
-            from quantkit.modeling import load_model
+            from quantkit.checkpoint.reader import open_checkpoint
+            from quantkit.compute_dtype import compute_dtype
+            from quantkit.modeling import load_model, model_dtype
 
             self.torch = torch
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-            self.model = load_model(model_path).eval()
+            # the dtype the hf engine computes in on this CPU (auto), so the two engines' answers can be compared
+            dtype = compute_dtype("auto", "cpu", model_dtype(open_checkpoint(model_path).config))
+            self.model = load_model(model_path, dtype).eval()
         self.lock = threading.Lock()
 
     def echo_logprobs(self, tokens: list[int]) -> tuple[list, list]:
