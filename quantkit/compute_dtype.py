@@ -3,8 +3,8 @@
 The weights stay what the checkpoint holds; a BF16 weight widened to FP32 is the same number, so only the arithmetic
 changes. ``auto`` is the model's own dtype on a GPU (what the serving engines compute in), and on a CPU whichever of
 the model's dtype and FP32 a short matmul probe runs faster: a CPU without native BF16 ran torch's BF16 matmul at
-0.3 GFLOPS against 131 for FP32 (2 cores, AVX2; docs/benchmarks.md), another ran BF16 faster, and CPU flags do not
-tell what torch's kernels make of them.
+11 GFLOPS against 139 for FP32 (2 cores, AVX2; benchmarks/demo_time.py prints both), another ran BF16 faster, and
+CPU flags do not tell what torch's kernels make of them.
 """
 
 from __future__ import annotations
