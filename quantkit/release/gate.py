@@ -228,14 +228,8 @@ def gate(
     except QuantkitError as exc:
         raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(Path(baseline)), read_run_record(Path(candidate))
-    gated = None
-    if suite is None:
-        spec, gated = _shared_tasks(spec, margin, base_record, cand_record, candidate)
-    for record, run in ((base_record, baseline), (cand_record, candidate)):
-        missing = [t for t in spec.tasks if t not in record.tasks]
-        if missing:
-            raise CannotCompare(f"task {missing[0]} is not in this run (the suite gates {', '.join(spec.tasks)})",
-                                Path(run) / "run.json")
+    spec, gated = _shared_tasks(spec, margin, base_record, cand_record, candidate) if suite is None else (spec, None)
+    _require_tasks(spec, (base_record, baseline), (cand_record, candidate))
     allowed = _allowed_differences(spec, base_record, cand_record, candidate)
     k = len(spec.tasks)
     alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha  # two-sided, per task
@@ -286,6 +280,14 @@ def gate(
             raise CannotCompare("the report folder is a file", Path(report_dir))
         report.report_files = [str(p) for p in write_gate_report(report, Path(report_dir))]
     return report
+
+
+def _require_tasks(spec: Suite, *runs: tuple[RunRecord, str | os.PathLike]) -> None:
+    for record, run in runs:
+        missing = [t for t in spec.tasks if t not in record.tasks]
+        if missing:
+            raise CannotCompare(f"task {missing[0]} is not in this run (the suite gates {', '.join(spec.tasks)})",
+                                Path(run) / "run.json")
 
 
 def _shared_tasks(spec: Suite, margin: float | None, base: RunRecord, cand: RunRecord, candidate) -> tuple[Suite, str]:
