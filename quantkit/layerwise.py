@@ -36,7 +36,7 @@ class LayerWalk:
                  dtype: torch.dtype | None = None):
         """``attention``: transformers' attention implementation; GPTQ uses ``eager``, the one
         llm-compressor forces during calibration, so both see the same activations to the bit. ``dtype``: what the
-        layers compute in (default the model's; weights are decoded into it, exactly when it is wider)."""
+        layers compute in (default the model's); weights are decoded in the model's dtype and widened to it."""
         from transformers import AutoModelForCausalLM
 
         from quantkit.modeling import model_config, model_dtype
@@ -50,7 +50,7 @@ class LayerWalk:
         base = model.model
         with TensorReader(ckpt) as reader:
             base.embed_tokens.to_empty(device=device)
-            base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight").to(self.dtype))
+            base.embed_tokens.weight.data.copy_(reader.read("model.embed_tokens.weight"))  # copy_ widens it
         base.rotary_emb = type(base.rotary_emb)(config=cfg).to(device)
         self.layers = list(base.layers)
         base.layers[0] = _Catcher()
