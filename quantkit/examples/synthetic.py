@@ -28,17 +28,20 @@ FAMILIES = ("glm_moe_dsa", "deepseek_v3", "llama")
 
 def tiny_config(family: str, **overrides) -> dict:
     """Config kwargs for a tiny model of ``family`` whose every input dim is a multiple of 128."""
-    mla_moe = dict(
+    mla_moe: dict[str, object] = dict(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=128, q_lora_rank=128,
         qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, first_k_dense_replace=1,
         max_position_embeddings=256,
     )
+    base: dict[str, object]
     if family == "glm_moe_dsa":
         base = dict(mla_moe, index_topk=16, index_head_dim=64, index_n_heads=4, head_dim=32)
     elif family == "deepseek_v3":
-        base = dict(mla_moe, n_group=2, topk_group=1)
+        # fields of the release's config.json that transformers' class lacks and SGLang's DeepSeek model reads
+        release = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1)
+        base = {**mla_moe, "n_group": 2, "topk_group": 1, **release}
     elif family == "llama":
         base = dict(
             vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -64,7 +67,10 @@ def _model_state(family: str, cfg_kwargs: dict, seed: int) -> tuple[dict, dict[s
         if t.ndim == 1 and t.is_floating_point():
             noise = torch.randn(t.shape, generator=gen) * 0.1
             state[name] = (t.float() + noise).to(t.dtype)
-    return config.to_dict(), state
+    config_dict = config.to_dict()
+    # the real releases name their class; engines (SGLang, vLLM) pick the model class by it
+    config_dict["architectures"] = [type(model).__name__]
+    return config_dict, state
 
 
 def _mtp_layer(family: str, cfg_kwargs: dict, seed: int) -> dict[str, torch.Tensor]:
