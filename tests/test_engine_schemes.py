@@ -181,3 +181,63 @@ def test_block_fp8_partitions_the_engines_refuse_are_findings():
     assert "input per rank 288" in fp8_block_problem(o, stored, [128, 128], tp=2)
     stored = {k: Stored("fp8", s.out_features * 2 // 3 * 2, 512) for k, s in stored.items()}
     assert fp8_block_problem(qkv, stored, [128, 128], tp=1) is None  # 768, 256, 256
+
+
+def _marlin_tables(text: str) -> tuple:
+    """The kernel's (thread_k, thread_n) tables as written in its source, small-batch then large-batch."""
+    import re
+
+    tables = []
+    for name in ("small_batch_thread_configs", "large_batch_thread_configs"):
+        body = re.search(name + r"\[\] = \{(.*?)\};", text, re.S)[1]
+        tables.append(tuple((int(k), int(n)) for k, n, _ in re.findall(r"\{(\d+), (\d+), (\d+)\}", body)))
+    return tuple(tables)
+
+
+def test_sglangs_marlin_tiles_are_restated_from_its_kernels():
+    from quantkit.engines.kernels import SGLANG_MARLIN
+
+    wheel = engine_wheel("sglang", SGLANG_VERSION)
+    for kind, tables in (("linear", SGLANG_MARLIN.linear), ("moe", SGLANG_MARLIN.moe)):
+        path, lines = SGLANG_MARLIN.source[kind].split(":")
+        text = wheel.read(path).decode()
+        assert _marlin_tables(text) == tables, kind
+        first = int(lines.split("-")[0])
+        assert "thread_configs[] = {" in text.splitlines()[first - 1], SGLANG_MARLIN.source[kind]
+        assert "prob_k % th_config.thread_k != 0" in text.splitlines()[int(lines.split(", ")[1]) - 1]
+
+
+def test_verify_refuses_for_sglang_the_int4_gemms_its_marlin_cannot_run_as_the_h200_did():
+    """On an H200, SGLang 0.5.17 served dense-mlp-w4a16-g32 of a SmolLM2-shaped model and synthetic DeepSeek-V3
+    experts, and crashed at the first forward of dense-w4a16-g32 ("Invalid thread config ... MKN = [3, 576, 960]":
+    the fused qkv_proj). verify --engine sglang says the same of each, and nothing of vLLM, whose kernels pad."""
+    from quantkit.engines.schemes import EngineModule
+    from quantkit.verify.engine import marlin_problem
+    from quantkit.verify.structure import Stored
+
+    smol = {"a.q_proj": Stored("int4", 576, 576, 32), "a.k_proj": Stored("int4", 192, 576, 32),
+            "a.v_proj": Stored("int4", 192, 576, 32), "a.o_proj": Stored("int4", 576, 576, 32),
+            "a.gate_proj": Stored("int4", 1536, 576, 32), "a.up_proj": Stored("int4", 1536, 576, 32),
+            "a.down_proj": Stored("int4", 576, 1536, 32)}
+    qkv = EngineModule("a.qkv_proj", "linear", ("a.q_proj", "a.k_proj", "a.v_proj"), "QKVParallelLinear")
+    o = EngineModule("a.o_proj", "linear", ("a.o_proj",), "RowParallelLinear")
+    gate_up = EngineModule("a.gate_up_proj", "linear", ("a.gate_proj", "a.up_proj"), "MergedColumnParallelLinear")
+    down = EngineModule("a.down_proj", "linear", ("a.down_proj",), "RowParallelLinear")
+    assert "K 576 x N 960" in marlin_problem(qkv, smol, tp=1)
+    assert "K 576 x N 576" in marlin_problem(o, smol, tp=1)
+    assert marlin_problem(gate_up, smol, tp=1) is None and marlin_problem(down, smol, tp=1) is None
+    assert "K 192 x N 576" in marlin_problem(down, smol, tp=8)  # 1536 / 8: 64-wide K needs 128-wide N
+    experts = {f"m.experts.{e}.{p}": Stored("int4", *shape, 32) for e in range(2)
+               for p, shape in (("gate_proj", (128, 256)), ("up_proj", (128, 256)), ("down_proj", (256, 128)))}
+    moe = EngineModule("m.experts", "moe", tuple(experts), "FusedMoE")
+    assert marlin_problem(moe, experts, tp=1) is None  # the synthetic DeepSeek-V3 SGLang served
+    assert marlin_problem(moe, experts, tp=2) is None  # gate_up K 256 x N 128, down K 64 x N 256
+    narrow = {k: Stored("int4", *(320 if d == 256 else d for d in (s.out_features, s.in_features)), 32)
+              for k, s in experts.items()}
+    assert "down: K 128 x N 320" in marlin_problem(moe, narrow, tp=1)  # MoE Marlin has no 64-wide N tile
+
+
+def test_verify_passes_smollm2s_int4_mlp_for_sglang_as_the_h200_served_it(smollm2_bf16, tmp_path):
+    """dense-w4a16-g32, which SGLang crashed on: tests/test_verify.py."""
+    convert(smollm2_bf16, tmp_path / "out", "dense-mlp-w4a16-g32", device="cpu")
+    assert verify(tmp_path / "out", engine="sglang", smoke=False).passed

@@ -7,11 +7,11 @@ A ``mixed-precision`` checkpoint (INT4 groups beside block-FP8 ones) is no rule 
 Linear's scheme from its config group's own format (SGLang 0.5.23 compressed_tensors.py:373-381 and 725-745, run in
 tests/test_engine_names.py) and a MoE layer's from its weights' arguments alone.
 
-No rule asks a rank's input to be a multiple of 128 (Marlin's thread tile): vLLM 0.33.0 picks among several WNA16
-kernels (vllm/model_executor/kernels/linear/__init__.py:539-548, 887-940) and its Marlin zero-pads a misaligned tile
-(kernels/linear/mixed_precision/marlin.py:37-71); SGLang 0.5.23 calls check_marlin_supports_shape and drops its
-answer (sglang/srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:221-226), so such a
-shape loads there too.
+vLLM 0.33.0 picks among several WNA16 kernels (vllm/model_executor/kernels/linear/__init__.py:539-548, 887-940) and
+its Marlin zero-pads a misaligned tile (kernels/linear/mixed_precision/marlin.py:37-71): no tile rule there. SGLang
+runs every INT4 Linear and MoE layer through Marlin on CUDA; it calls check_marlin_supports_shape and drops its
+answer (sglang/srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:221-226), so a shape no
+Marlin thread tile divides loads and then fails at the first forward (``SGLANG_MARLIN``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,30 @@ ENGINES = {
                    "98-110, 212-243) and for MoE experts (compressed_tensors_moe/compressed_tensors_moe_wna16.py:"
                    "257-343)"),
 }
+
+
+@dataclass(frozen=True)
+class MarlinTiles:
+    """The (thread_k, thread_n) tiles a Marlin GEMM picks from, one set per batch regime (one token per sequence;
+    more): in every regime some tile must divide the GEMM's K (input) and N (output) per rank, or the kernel
+    raises "Invalid thread config" at the first forward, after the model loaded."""
+
+    linear: tuple[tuple[tuple[int, int], ...], ...]
+    moe: tuple[tuple[tuple[int, int], ...], ...]
+    source: dict[str, str]  # by module kind
+
+    def fits(self, kind: str, k: int, n: int) -> bool:
+        regimes = self.moe if kind == "moe" else self.linear
+        return all(any(k % tk == 0 and n % tn == 0 for tk, tn in tiles) for tiles in regimes)
+
+
+# Read in SGLang 0.5.23; the same tables in 0.5.17, whose server loaded dense-w4a16-g32 on a SmolLM2-shaped model
+# on an H200 and then failed: "Invalid thread config ... for MKN = [3, 576, 960]" (its fused qkv_proj).
+SGLANG_MARLIN = MarlinTiles(
+    linear=(((128, 128), (64, 128), (128, 64)), ((64, 256), (64, 128), (128, 64))),
+    moe=(((128, 128), (64, 128)), ((64, 256), (64, 128))),
+    source={"linear": "sglang/kernels/jit/csrc/gemm/marlin/gptq_marlin.cuh:117-131, 231",
+            "moe": "sglang/kernels/jit/csrc/gemm/marlin_moe/moe_wna16_marlin.cuh:140-152, 265"})
 
 
 def engine_rules(name: str) -> EngineRules:

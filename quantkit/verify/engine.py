@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, EngineRules
+from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, SGLANG_MARLIN, EngineRules
 from quantkit.verify.findings import Finding
 from quantkit.verify.structure import EXPERT, Stored
 
@@ -97,6 +97,12 @@ def schemes_chosen(ckpt: Checkpoint, stored: dict[str, Stored], engine: str, tp:
             found.append(Finding("engine", rule, f"stored {'/'.join(kinds)}, given "
                                  f"{'no scheme' if group is None else f'group {group} ({given})'}",
                                  module.members[0], _file(ckpt, module.members[0])))
+        elif given == "int4" and engine == "sglang":
+            problem = marlin_problem(module, stored, tp)
+            if problem:
+                found.append(Finding("engine", f"tp={tp}: a Marlin thread tile divides each GEMM ({engine} "
+                                     f"{matching.version} {SGLANG_MARLIN.source[module.kind]})", problem,
+                                     module.members[0], _file(ckpt, module.members[0])))
         elif given == "fp8" and module.kind == "linear":
             block = (groups[group].get("weights") or {}).get("block_structure")
             problem = fp8_block_problem(module, stored, block, tp) if block else None
@@ -136,6 +142,27 @@ def fp8_block_problem(module, stored: dict[str, Stored], block: list[int], tp: i
     if (split or len(sizes) > 1) and bad:
         return (f"output partition {bad[0]} (of {sizes}) is not a multiple of block_n {block_n}; the engine "
                 "raises ValueError when it builds the model")
+    return None
+
+
+def marlin_problem(module, stored: dict[str, Stored], tp: int) -> str | None:
+    """The GEMMs SGLang's Marlin runs for ``module`` per rank, (K, N): a Linear's input and its members' summed
+    outputs, the input split across ranks where row-parallel and the output where column-parallel; a MoE layer's
+    gate+up (hidden -> 2 x intermediate per rank) and down (intermediate per rank -> hidden)."""
+    if module.kind == "moe":
+        down = stored[next(m for m in module.members if m.endswith("down_proj"))]
+        hidden, inter = down.out_features, down.in_features // tp
+        gemms = [("gate_up", hidden, 2 * inter), ("down", inter, hidden)]
+    else:
+        first = stored[module.members[0]]
+        row_parallel = module.class_name == "RowParallelLinear"
+        k = first.in_features // tp if row_parallel else first.in_features
+        n = sum(stored[m].out_features for m in module.members) // (1 if row_parallel else tp)
+        gemms = [(module.name.rsplit(".", 1)[-1], k, n)]
+    for what, k, n in gemms:
+        if not SGLANG_MARLIN.fits(module.kind, k, n):
+            return (f"{what}: K {k} x N {n} per rank fits none of Marlin's tiles; the model loads, then its first "
+                    "forward fails with \"Invalid thread config\"")
     return None
 
 
