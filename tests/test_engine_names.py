@@ -15,7 +15,7 @@ from engine_source import Missing, engine_definition, engine_module, engine_whee
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.checkpoint.writer import write_safetensors
 from quantkit.convert import convert
-from quantkit.engines.kv_scales import BACKENDS, engine_usage
+from quantkit.engines.kv_scales import BACKENDS, OLDER_SGLANG, engine_usage
 from quantkit.engines.loaders import LOADERS, loader_rules
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 from quantkit.kv.calibrate import write_scales
@@ -287,7 +287,7 @@ def test_usage_lines_name_the_backends_that_use_the_scales(outputs):
     ds = engine_usage(open_checkpoint(outputs["deepseek_v3"]).config)["sglang 0.5.23"]
     assert "used by triton; unused by fa3, flashinfer; flashmla, trtllm_mla write the cache unscaled" in ds
     llama = engine_usage(open_checkpoint(outputs["llama"]).config)["sglang 0.5.23"]
-    assert llama == "loaded into model.layers.N.self_attn.attn.k|v_scale; used by fa3, triton"
+    assert llama == "loaded into model.layers.N.self_attn.attn.k|v_scale; used by fa3, triton; " + OLDER_SGLANG
 
 
 def test_the_model_card_states_the_kv_scale_situation_per_engine(outputs, tmp_path):

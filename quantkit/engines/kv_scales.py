@@ -23,6 +23,12 @@ _POOL = "sglang/srt/mem_cache/memory_pool.py"
 _ATT = "sglang/srt/layers/attention"
 
 
+# 0.5.23's CompressedTensorsConfig gives the attention a KV-cache method (compressed_tensors.py:212-225, 1267); an
+# H200 running 0.5.17 logged "Found .k_scale in the checkpoint ... .k_scale is not loaded" and served with 1.0
+OLDER_SGLANG = ("SGLang 0.5.17 (the newest for torch 2.11) drops them and serves FP8 KV with scale 1.0: its "
+                "compressed-tensors config gives the attention no KV-cache method")
+
+
 def scale_names(layer: int) -> tuple[str, str]:
     """The k_scale and v_scale names quantkit writes for a decoder layer."""
     return f"model.layers.{layer}.self_attn.k_proj.k_scale", f"model.layers.{layer}.self_attn.v_proj.v_scale"
@@ -120,5 +126,7 @@ def engine_usage(config: dict) -> dict[str, str]:
         if by_use["mismatched"]:
             parts.append(f"{', '.join(by_use['mismatched'])} write the cache unscaled but read it scaled: serve "
                          "those with scale 1.0, not with these scales")
+        if engine == "sglang":
+            parts.append(OLDER_SGLANG)
         usage[f"{engine} {version}"] = f"{loaded}; " + "; ".join(parts)
     return usage
