@@ -1,5 +1,7 @@
-"""Small SmolLM2-architecture checkpoints (random weights) converted by quantkit, for tests/test_sglang_gpu.py:
-``python benchmarks/sglang_gpu_models.py OUT`` writes OUT/mlp, OUT/all and OUT/mlp-kv (24 MB in all)."""
+"""Small checkpoints (random weights) converted by quantkit, for tests/test_sglang_gpu.py:
+``python benchmarks/sglang_gpu_models.py OUT`` writes OUT/mlp, OUT/all and OUT/mlp-kv (SmolLM2 architecture), and
+OUT/deepseek_v3 and OUT/glm_moe_dsa (the real releases' layout with their MLA sizes, routed experts INT4 by the
+experts recipes)."""
 import shutil
 import sys
 from pathlib import Path
@@ -8,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantkit.convert import convert
+from quantkit.examples.synthetic import build_synthetic
 from quantkit.kv.calibrate import calibrate_kv
 
 out = Path(sys.argv[1])
@@ -29,5 +32,11 @@ convert(src, out / "all", "dense-w4a16-g32", device="cpu")
 shutil.copytree(out / "mlp", out / "mlp-kv")
 calibrate_kv(out / "mlp-kv", in_place=True, batches=[torch.randint(0, 2048, (1, 64)) for _ in range(4)])
 shutil.rmtree(src)
+# the MLA sizes of DeepSeek-V3 and GLM-5 (the engines' MLA kernels are written for them), few heads and experts
+mla = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=256)
+for family, recipe in [("deepseek_v3", "deepseek-v3-int4-experts-g32"), ("glm_moe_dsa", "glm5-int4-experts-g32")]:
+    src = build_synthetic(family, out / f"{family}-src", layers=3, experts=8, **mla)
+    convert(src, out / family, recipe, device="cpu")
+    shutil.rmtree(src)
 for d in sorted(out.iterdir()):
     print(d.name, sum(f.stat().st_size for f in d.rglob("*") if f.is_file()))

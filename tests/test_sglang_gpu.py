@@ -4,17 +4,19 @@ Needs a CUDA GPU and SGLang importable from ``QUANTKIT_SGLANG_SITE`` (engines/bu
 folder for a machine with no network: SGLang 0.5.17, the newest whose torch pin, 2.11.0, a CUDA 13 machine has), and
 ``QUANTKIT_SGLANG_MODELS``: SmolLM2-architecture checkpoints (hidden 576, 9 query / 3 KV heads, MLP 1536, random
 weights, vocabulary 2,048) converted by quantkit as ``mlp`` (dense-mlp-w4a16-g32), ``all`` (dense-w4a16-g32) and
-``mlp-kv`` (``mlp`` with calibrate-kv's scales). Each is served; the log-probability SGLang gives every prompt token
-is compared with transformers' (compressed-tensors decompressing the same checkpoint) on the same GPU; and the
-calibrated KV scales are shown to be read by SGLang: served with ``--kv-cache-dtype fp8_e4m3``, the checkpoint with
-its scales multiplied by 16 answers differently from the one with quantkit's scales.
+``mlp-kv`` (``mlp`` with calibrate-kv's scales). ``mlp`` is served and the log-probability SGLang gives every prompt
+token is compared with transformers' (compressed-tensors decompressing the same checkpoint) on the same GPU; ``all``,
+which ``verify --engine sglang`` refuses (no Marlin tile fits its fused q/k/v), must fail at SGLang's first forward.
+Synthetic DeepSeek-V3 and GLM-5 checkpoints (the releases' layout, routed experts INT4) are compared with quantkit's own
+decoding of them in the transformers class. Served with ``--kv-cache-dtype fp8_e4m3``, the checkpoint with its
+calibrated KV scales multiplied by 16 answers differently from the one with quantkit's scales where the SGLang
+version reads compressed-tensors KV scales, and identically (both 1.0) where it does not.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sys
 import urllib.request
@@ -31,7 +33,13 @@ MODELS = Path(os.environ.get("QUANTKIT_SGLANG_MODELS", "/nonexistent"))
 FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
          "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
          "--mm-feature-transport", "cpu", "--skip-tokenizer-init"]
-PROMPTS = [[(7 * i + 13 * j) % 2048 for j in range(48)] for i in range(1, 5)]
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % vocab for j in range(48)] for i in range(1, 5)]
+
+
+PROMPTS = prompts(2048)
 # BF16 activations on both sides with different kernels (SGLang's Marlin INT4 GEMM against compressed-tensors'
 # dequantized weights in torch): per-token log-probabilities of a random-weight model near 8 nats in magnitude
 TOLERANCE = 0.15
@@ -45,13 +53,13 @@ def sglang_cmd():
     return [sys.executable, "-m", "sglang.launch_server"]
 
 
-def serve_logprobs(cmd, model: Path, log: Path, kv_cache_dtype: str = "auto") -> list[list[float]]:
+def serve_logprobs(cmd, model: Path, log: Path, kv_cache_dtype: str = "auto", ids_list=PROMPTS) -> list[list[float]]:
     from quantkit.evaluation.sglang import EngineServer, LaunchSpec, free_port
 
     spec = LaunchSpec(str(model), kv_cache_dtype=kv_cache_dtype, mem_fraction=0.2, port=free_port(), extra=FLAGS)
     with EngineServer(cmd, spec, log, health_timeout=600) as url:
         out = []
-        for ids in PROMPTS:
+        for ids in ids_list:
             body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                                "return_logprob": True, "logprob_start_len": 0}).encode()
             request = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})
@@ -77,7 +85,16 @@ def reference_logprobs(model: Path) -> list[list[float]]:
 
 
 @pytest.mark.parametrize("name", ["mlp", "all"])
-def test_sglang_builds_and_serves_quantkits_int4_as_transformers_computes_it(sglang_cmd, name, tmp_path):
+def test_sglang_serves_what_verify_passes_as_transformers_computes_it_and_fails_on_what_it_refuses(
+        sglang_cmd, name, tmp_path):
+    from quantkit.evaluation.sglang import EngineError
+    from quantkit.verify import verify
+
+    marlin = [f for f in verify(MODELS / name, engine="sglang", smoke=False).findings if "Marlin" in f.rule]
+    if marlin:  # all: SmolLM2's 576-wide q/k/v fit no Marlin tile
+        with pytest.raises(EngineError, match="Invalid thread config"):
+            serve_logprobs(sglang_cmd, MODELS / name, tmp_path / "server.log")
+        return
     served = serve_logprobs(sglang_cmd, MODELS / name, tmp_path / "server.log")
     log = (tmp_path / "server.log").read_text()
     assert "compressed-tensors" in log
@@ -87,7 +104,54 @@ def test_sglang_builds_and_serves_quantkits_int4_as_transformers_computes_it(sgl
     assert worst < TOLERANCE
 
 
-def test_sglang_reads_the_calibrated_kv_scales(sglang_cmd, tmp_path):
+def quantkit_logprobs(model: Path, ids_list: list[list[int]]) -> list[list[float]]:
+    """quantkit's own decoding of the checkpoint into the transformers model class (the hf engine's), on the GPU:
+    transformers does not load per-expert INT4 into its fused MoE experts."""
+    from quantkit.modeling import load_model
+
+    net = load_model(model, device="cuda").eval()
+    out = []
+    with torch.no_grad():
+        for ids in ids_list:
+            x = torch.tensor([ids], device="cuda")
+            logp = torch.log_softmax(net(x).logits.float(), dim=-1)[0, :-1]
+            out.append(logp.gather(1, x[0, 1:, None])[:, 0].tolist())
+    del net
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+def test_sglang_serves_quantkits_int4_experts_as_quantkit_decodes_them(sglang_cmd, name, tmp_path):
+    import importlib.util
+
+    from quantkit.evaluation.sglang import EngineError
+
+    config = json.loads((MODELS / name / "config.json").read_text())
+    ids_list = prompts(config["vocab_size"])
+    if name == "glm_moe_dsa" and importlib.util.find_spec("deep_gemm") is None:
+        # SGLang builds GLM-5's DSA indexer with deep_gemm (sglang/srt/layers/attention/dsa/dsa_indexer.py:104, 250
+        # in 0.5.17), which the bundle does not carry: the kernel missing is named, the model never built
+        with pytest.raises(EngineError, match="get_num_sms"):
+            serve_logprobs(sglang_cmd, MODELS / name, tmp_path / "server.log", ids_list=ids_list)
+        return
+    served = serve_logprobs(sglang_cmd, MODELS / name, tmp_path / "server.log", ids_list=ids_list)
+    assert "compressed-tensors" in (tmp_path / "server.log").read_text()
+    reference = quantkit_logprobs(MODELS / name, ids_list)
+    gaps = sorted(abs(a - b) for s, r in zip(served, reference, strict=True) for a, b in zip(s, r, strict=True))
+    print(f"{name}: |SGLang - quantkit's decoding| per-token log-probability: median {gaps[len(gaps) // 2]:.4f}, "
+          f"largest {gaps[-1]:.4f}")
+    assert gaps[-1] < TOLERANCE
+
+
+def sglang_loads_compressed_tensors_kv_scales() -> bool:
+    """SGLang 0.5.23 builds a KV-cache quant method from a compressed-tensors ``kv_cache_scheme``
+    (compressed_tensors.py, ``CompressedTensorsKVCacheMethod``); 0.5.17 has none and serves FP8 KV with scale 1.0."""
+    source = Path(SITE) / "sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py"
+    return "CompressedTensorsKVCacheMethod" in source.read_text()
+
+
+def test_sglang_reads_the_calibrated_kv_scales_where_its_version_does(sglang_cmd, tmp_path):
     from safetensors.torch import load_file, save_file
 
     scaled = tmp_path / "scaled"
@@ -101,8 +165,14 @@ def test_sglang_reads_the_calibrated_kv_scales(sglang_cmd, tmp_path):
     wrong = serve_logprobs(sglang_cmd, scaled, tmp_path / "scaled.log", "fp8_e4m3")
     bf16 = serve_logprobs(sglang_cmd, MODELS / "mlp-kv", tmp_path / "bf16.log")
     far = lambda a, b: max(abs(x - y) for s, r in zip(a, b, strict=True) for x, y in zip(s, r, strict=True))  # noqa: E731
+    log = (tmp_path / "ours.log").read_text()
     print(f"kv: fp8 with quantkit's scales vs bf16 KV {far(ours, bf16):.4f}; x16 scales vs quantkit's "
-          f"{far(wrong, ours):.4f}")
-    print("launch:", shlex.join(sglang_cmd))
-    # a server that fell back to scale 1.0 would answer both the same, to the bit
-    assert far(wrong, ours) > 0.01
+          f"{far(wrong, ours):.4f}; engine: {'reads' if sglang_loads_compressed_tensors_kv_scales() else 'ignores'}")
+    if sglang_loads_compressed_tensors_kv_scales():
+        # a server that fell back to scale 1.0 would answer both the same, to the bit
+        assert far(wrong, ours) > 0.01
+        assert "Defaulting to scaling factors of 1.0" not in log
+    else:
+        # what docs/verify.md says of SGLang 0.5.17: the scales are found and dropped, the cache uses 1.0
+        assert ".k_scale is not loaded" in log and "Defaulting to scaling factors of 1.0" in log
+        assert far(wrong, ours) == 0.0
