@@ -193,6 +193,10 @@ def convert_cmd(
     calibration_data: Annotated[Optional[Path], typer.Option(help="GPTQ recipes: calibration .jsonl (text or "
                                                                   "input_ids rows) or .txt instead of the "
                                                                   "recipe's.")] = None,
+    dtype: Annotated[str, typer.Option(help="What a GPTQ recipe's layer walk computes in, the weights and scales "
+                                            "unchanged: auto (the model's dtype on a GPU; on a CPU it or fp32, "
+                                            "whichever a matmul probe finds faster), bf16, fp16 or fp32.")]
+    = CONVERT.dtype,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe (RTN or GPTQ)."""
@@ -201,7 +205,7 @@ def convert_cmd(
     with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
         result = convert(src, dst, recipe, device=device, workers=workers, max_shard_size=max_shard_size,
                          resume=resume, force=force, verify_reused=verify_reused, calibration_data=calibration_data,
-                         on_progress=on_progress, on_gptq_layer=None if json_out else _GPTQLayerLog())
+                         dtype=dtype, on_progress=on_progress, on_gptq_layer=None if json_out else _GPTQLayerLog())
     if json_out:
         _emit_json(result)
         return
@@ -219,8 +223,8 @@ def convert_cmd(
         out.print(f"  [yellow]warning[/]: {_t(warning)}", highlight=False)
     if result.gptq:
         methods = ", ".join(f"{k} {v}" for k, v in result.gptq["weights_by_method"].items())
-        out.print(f"  {result.gptq['algorithm']}: {methods} weight(s); details per weight in DST's "
-                  "quantkit-manifest.json", highlight=False)
+        out.print(f"  {result.gptq['algorithm']}: {methods} weight(s), layers computed in "
+                  f"{result.gptq['computed_in']}; details per weight in DST's quantkit-manifest.json", highlight=False)
         for reason, n in result.gptq["rtn_reasons"].items():
             out.print(f"  round-to-nearest: {n} x {_t(reason)}", highlight=False)
         if result.gptq["rtn_outside_calibration"]:

@@ -19,6 +19,7 @@ class ConvertSettings(Section):
     workers: int | None = None  # concurrent shard jobs (default 4 per GPU, or up to 4 on CPU)
     max_shard_size: str = "5GB"
     calibration_data: str | None = None  # GPTQ and SignRound recipes: instead of the recipe's own calibration file
+    dtype: str = "auto"  # what a GPTQ recipe's layer walk computes in: auto, bf16, fp16 or fp32
 
 
 class CalibrateSettings(Section):

@@ -69,8 +69,9 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
 
     samples, seq_len = 16, 128
     recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", samples=samples, seq_len=seq_len)
-    ours = convert(smollm2_bf16, tmp_path / "ours", recipe, device="cpu")
-    assert ours.gptq["weights_by_method"] == {"gptq": 90}
+    # in BF16, as oneshot computes the model it loads in BF16 (auto computes in FP32 on a CPU slow at BF16)
+    ours = convert(smollm2_bf16, tmp_path / "ours", recipe, device="cpu", dtype="bf16")
+    assert ours.gptq["weights_by_method"] == {"gptq": 90} and ours.gptq["computed_in"] == "bfloat16"
 
     batches = gptq_batches(open_checkpoint(smollm2_bf16), load_recipe(recipe), None)
     # llm-compressor's LengthAwareSampler visits equal-length samples in torch.argsort(descending=True)'s
@@ -262,6 +263,35 @@ def test_a_different_calibration_is_a_different_run(moe_runs, tmp_path):
     other = token_file(tmp_path / "other.jsonl", 96, 64, seed=5)
     with pytest.raises(QuantkitError, match="calibration data"):
         convert(run["src"], dst, run["all-recipe"], device="cpu", resume=True, calibration_data=other)
+
+
+def test_the_walks_dtype_changes_the_arithmetic_not_the_format_and_a_resume_keeps_it(synthetic, tmp_path):
+    """--dtype: the layers' forwards compute in it; the weights GPTQ starts from and the scales stay the model's, so
+    the output has the same tensors, dtypes and shapes, and a weight GPTQ never saw (RTN) the same bytes."""
+    src = synthetic["llama"]
+    data = token_file(tmp_path / "calibration.jsonl", 8, 64, seed=0)
+    recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", dataset=data, samples=8, seq_len=64)
+    runs = {d: convert(src, tmp_path / d, recipe, device="cpu", dtype=d) for d in ("bf16", "fp32")}
+    assert runs["fp32"].gptq["computed_in"] == "float32" and runs["bf16"].gptq["computed_in"] == "bfloat16"
+    assert load_manifest(tmp_path / "fp32").computed_in == "float32"
+    assert load_manifest(tmp_path / "bf16").computed_in is None  # the model's own, as every older manifest
+    bf16, fp32 = load_all(tmp_path / "bf16"), load_all(tmp_path / "fp32")
+    assert {k: (v.dtype, v.shape) for k, v in bf16.items()} == {k: (v.dtype, v.shape) for k, v in fp32.items()}
+    first = "model.layers.0.mlp.gate_proj"  # its Hessian comes from the embeddings alone: equal in both
+    assert torch.equal(bf16[f"{first}.weight_scale"], fp32[f"{first}.weight_scale"])
+    last = "model.layers.1.mlp.down_proj"
+    assert not torch.equal(bf16[f"{last}.weight_packed"], fp32[f"{last}.weight_packed"])  # the arithmetic did change
+    with pytest.raises(QuantkitError, match="compute dtype"):
+        convert(src, tmp_path / "fp32", recipe, device="cpu", dtype="bf16", resume=True)
+    # auto resumed takes what the run started in, whatever a probe would pick now
+    again = convert(src, tmp_path / "fp32", recipe, device="cpu", resume=True)
+    assert again.shards_written == 0 and again.gptq["computed_in"] == "float32"
+
+
+def test_signround_tunes_in_the_models_dtype_only(synthetic, tmp_path):
+    with pytest.raises(QuantkitError, match="SignRound tunes in the model's dtype"):
+        convert(synthetic["llama"], tmp_path / "out", "dense-mlp-w4a16-signround-g32", device="cpu", dtype="fp32")
+    assert not (tmp_path / "out").exists()
 
 
 def test_layer_files_carry_each_weights_record(moe_runs, tmp_path):

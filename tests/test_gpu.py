@@ -128,7 +128,7 @@ def test_gptq_of_a_dense_model_on_cuda_lands_within_a_hair_of_the_cpus(tmp_path)
     recipe = gptq_recipe(tmp_path, base="dense-mlp-w4a16-gptq-g32")
     losses = {}
     for device in ("cpu", "cuda"):
-        result = convert(model, tmp_path / device, recipe, device=device)
+        result = convert(model, tmp_path / device, recipe, device=device, dtype="bf16")  # both llm-compressor's
         assert result.gptq["weights_by_method"] == {"gptq": 9}
         losses[device] = [layer["loss"] for layer in result.gptq["layers"]]
     quantkit("verify", tmp_path / "cuda", "--source", model)

@@ -62,6 +62,7 @@ class Manifest(BaseModel):
     status: ManifestStatus = ManifestStatus.RUNNING
     shards: dict[str, ShardRecord] = Field(default_factory=dict)
     calibration_sha256: str | None = None  # GPTQ: the calibration tokens and settings
+    computed_in: str | None = None  # a GPTQ walk's dtype where not the model's own (older manifests: the model's)
     gptq_layers: dict[str, ShardRecord] = Field(default_factory=dict)  # finished GPTQ layers (resume)
     gptq_modules: dict[str, GPTQModuleRecord] = Field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -75,6 +76,9 @@ class Manifest(BaseModel):
             diffs.append(f"recipe ({other.recipe_name} vs {self.recipe_name})")
         if self.calibration_sha256 != other.calibration_sha256:
             diffs.append("calibration data")
+        if self.computed_in != other.computed_in:
+            ours, theirs = other.computed_in or "the model's", self.computed_in or "the model's"
+            diffs.append(f"compute dtype ({ours} vs {theirs})")
         if self.plan_sha256 != other.plan_sha256:
             diffs.append("output layout (--max-shard-size or quantkit version)")
         return diffs

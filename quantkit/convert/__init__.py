@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from quantkit import __version__
 from quantkit.checkpoint.families import detect_family
@@ -36,6 +36,9 @@ from quantkit.devices import resolve_devices
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
 from quantkit.settings import CONVERT
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ConvertResult", "DifferentRun", "convert", "gptq_batches", "output_quantization_config", "parse_size"]
 
@@ -85,6 +88,7 @@ def convert(
     force: bool = False,
     verify_reused: bool = True,
     calibration_data: str | os.PathLike | None = None,
+    dtype: str = CONVERT.dtype,
     on_progress: Callable[[int, int], None] | None = None,
     on_gptq_layer: Callable | None = None,
 ) -> ConvertResult:
@@ -97,6 +101,9 @@ def convert(
     :param force: replace the quantkit run DST holds (never a folder of other files).
     :param verify_reused: on resume, re-hash each finished shard before keeping it.
     :param calibration_data: a GPTQ recipe's calibration file, instead of the recipe's own.
+    :param dtype: what a GPTQ recipe's layer walk computes in (``auto``, ``bf16``, ``fp16``, ``fp32``; weights and
+        scales are the checkpoint's either way). ``auto``: the model's dtype on a GPU, on a CPU it or FP32, whichever
+        runs faster there. SignRound tunes in the model's dtype, as llm-compressor does.
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
     :param on_gptq_layer: ``on_gptq_layer(report, layers)`` after each GPTQ layer (convert/gptq.py).
     """
@@ -104,7 +111,7 @@ def convert(
 
     started = time.perf_counter()
     job = _setup(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume, force,
-                 calibration_data)
+                 calibration_data, dtype)
     manifest = _manifest(job)
     dst_folder.make_folder(job.dst)
     dst_folder.refuse_foreign(job.dst)  # before the lock file is created in someone else's folder; again under the lock
@@ -145,14 +152,18 @@ class _Conversion:
     devices: list[str]
     workers: int
     batches: list | None  # a calibrated recipe's token batches
+    compute: torch.dtype | None = None  # what a GPTQ walk computes in; None: the model's dtype
 
 
 def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard_size: int, resume: bool, force: bool,
-           calibration_data) -> _Conversion:
+           calibration_data, dtype: str = CONVERT.dtype) -> _Conversion:
     from quantkit.convert import gptq
 
     if resume and force:
         raise QuantkitError("--resume and --force exclude each other")
+    from quantkit.compute_dtype import check_dtype
+
+    check_dtype(dtype)
     if workers is not None and workers < 1:
         raise QuantkitError(f"--workers must be at least 1 (got {workers})")
     dst_folder.check_paths(src, dst)
@@ -169,14 +180,18 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
 
         signround.llmcompressor_autoround()
         signround.check_targets(ckpt, plan, rec)
+    if resume and dtype == "auto" and rec.gptq:
+        dtype = calibrated.started_in(dst, ckpt)
+    compute = calibrated.walk_dtype(rec, dtype, devices[0], ckpt)
     batches = gptq_batches(ckpt, rec, calibration_data) if rec.calibration else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
-    return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches)
+    return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute)
 
 
 def _manifest(job: _Conversion) -> Manifest:
     """The manifest this conversion writes; a resumed run must match it in everything but its shards."""
+    from quantkit.compute_dtype import dtype_name
     from quantkit.convert import gptq
 
     return Manifest(
@@ -188,17 +203,21 @@ def _manifest(job: _Conversion) -> Manifest:
         plan_sha256=job.plan.digest(),
         max_shard_size=job.shard_size,
         calibration_sha256=gptq.calibration_digest(job.batches, job.recipe) if job.batches else None,
+        computed_in=dtype_name(job.compute) if job.compute is not None else None,
     )
 
 
 def _calibrate(job: _Conversion, manifest: Manifest, on_layer: Callable | None):
     """GPTQ's or SignRound's layer walk; its packed weights wait in DST's work folder for the shards."""
-    if job.recipe.gptq:
-        from quantkit.convert.gptq import run_gptq as walk
-    else:
-        from quantkit.convert.signround import run_signround as walk
     assert job.batches is not None  # set for every calibrated recipe
-    return walk(job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices, on_layer)
+    args = (job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices, on_layer)
+    if job.recipe.gptq:
+        from quantkit.convert.gptq import run_gptq
+
+        return run_gptq(*args, dtype=job.compute)
+    from quantkit.convert.signround import run_signround
+
+    return run_signround(*args)
 
 
 def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quantized, seconds: float) -> ConvertResult:

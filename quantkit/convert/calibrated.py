@@ -1,17 +1,21 @@
-"""What a calibrated recipe (GPTQ, SignRound) adds to a conversion: its calibration tokens, whether the shards still
-to write need the layer walk, and the summary of what it did per weight and per layer."""
+"""What a calibrated recipe (GPTQ, SignRound) adds to a conversion: its calibration tokens, the dtype its walk computes
+in, whether the shards still to write need the layer walk, and the summary of what it did per weight and per layer."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantkit.checkpoint.manifest import Manifest
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.tensor_plan import ActionKind
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe
+
+if TYPE_CHECKING:
+    import torch
 
 
 def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):
@@ -31,6 +35,39 @@ def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.Pat
                                ckpt.config.get("vocab_size"), require_all=True)
 
 
+def walk_dtype(rec: Recipe, spec: str, device: str, ckpt: Checkpoint) -> torch.dtype | None:
+    """The dtype a GPTQ walk computes in where it is not the model's own; SignRound tunes in the model's dtype."""
+    from quantkit.compute_dtype import DTYPES, compute_dtype, dtype_name
+    from quantkit.modeling import model_dtype
+
+    stored = model_dtype(ckpt.config)
+    if rec.signround:
+        if spec != "auto" and DTYPES[spec] != stored:
+            raise QuantkitError(f"recipe {rec.name}: SignRound tunes in the model's dtype ({dtype_name(stored)}), as "
+                                f"llm-compressor does; --dtype {spec} is for GPTQ recipes")
+        return None
+    if not rec.gptq:
+        return None
+    chosen = compute_dtype(spec, device, stored)
+    return None if chosen == stored else chosen
+
+
+def started_in(dst: Path, ckpt: Checkpoint) -> str:
+    """``auto`` resumed: the dtype the run in DST started in (a probe now could pick the other one), else ``auto``."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.compute_dtype import DTYPES, dtype_name
+    from quantkit.modeling import model_dtype
+
+    try:
+        started = load_manifest(dst)
+    except QuantkitError:
+        return "auto"  # prepare_dst says what is wrong with it
+    if started is None or started.calibration_sha256 is None:
+        return "auto"
+    spelled = {dtype_name(d): name for name, d in DTYPES.items()}
+    return spelled.get(started.computed_in or dtype_name(model_dtype(ckpt.config)), "auto")
+
+
 def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
     from quantkit.convert import gptq
 
@@ -39,7 +76,10 @@ def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
 
 
 def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
-    """What GPTQ did, for the result and ``--json``: weights by method, each layer's loss, the experts' token counts."""
+    """What GPTQ did, for the result and ``--json``: weights by method, each layer's loss, the experts' token counts,
+    the dtype its layers computed in."""
+    from quantkit.modeling import model_dtype
+
     int4_modules = [a.module for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
     records = manifest.gptq_modules
     methods = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
@@ -53,4 +93,5 @@ def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
         "layers": [vars(r) for r in quantized.layers] if quantized else [],
         "algorithm": rec.algorithm,
         "settings": (rec.gptq or rec.signround).model_dump(),
+        "computed_in": manifest.computed_in or str(model_dtype(ckpt.config)).removeprefix("torch."),
     }

@@ -152,8 +152,10 @@ def run_gptq(
     batches: list[torch.Tensor],
     devices: list[str],
     on_layer: Callable[[LayerReport, int], None] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> GPTQResult:
-    """Quantize every GPTQ target layer by layer; finished layers recorded in ``manifest`` are kept."""
+    """Quantize every GPTQ target layer by layer; finished layers recorded in ``manifest`` are kept. ``dtype``: what
+    the layers compute in (default the model's); the weights GPTQ starts from and the scales stay the model's."""
     from quantkit.layerwise import LayerWalk
 
     targets = gptq_targets(ckpt, plan, recipe)
@@ -161,7 +163,7 @@ def run_gptq(
     result = GPTQResult()
     if not targets:
         return result
-    walk = LayerWalk(ckpt, batches, devices[0], attention="eager")
+    walk = LayerWalk(ckpt, batches, devices[0], attention="eager", dtype=dtype)
     last = max(targets)
     with TensorReader(ckpt) as reader, _LayerFiles(dst, manifest) as files:
         for i in range(last + 1):
@@ -289,7 +291,7 @@ def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor
             rows, cols = state[name].shape
             q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), (rows, cols))
             weight = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
-            state[name] = weight.to(state[name].device)
+            state[name] = weight.to(state[name].device, state[name].dtype)
 
 
 class _Hessians:
@@ -379,7 +381,7 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
         else:
             jobs.append((t, (e, "gate_up") if proj != "down" else (e, "down"), tokens, None))
     with phases("quantize"):
-        return _quantize_jobs(jobs, hessians, state, recipe, devices)
+        return _quantize_jobs(jobs, hessians, state, recipe, devices, walk.stored)
 
 
 def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, routed: dict[int, int]) -> None:
@@ -403,7 +405,10 @@ def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, rou
         hessians.add((e, "down"), mod.act_fn(gate) * up, tokens=xe.shape[0])
 
 
-def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[str, dict]:
+def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: torch.dtype) -> dict[str, dict]:
+    """GPTQ (or RTN, where a job has no Hessian) on the weights as decoded in the model's dtype ``stored``, whatever
+    the walk computes in: the same scales and rounding as a walk in the model's dtype; the dequantized weights go
+    back into ``state`` in its dtype."""
     settings = recipe.gptq
     out: dict[str, dict] = {}
     shared = {}  # a Hessian several weights use (gate and up of one expert, every expert under experts: all)
@@ -416,9 +421,9 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
         t, key, tokens, reason = job
         w = state[f"{t.module}.weight"]
         if key is None:
-            q, scale = int4.quantize_int4(w, t.group_size)
+            q, scale = int4.quantize_int4(w.to(stored), t.group_size)
             out[t.module] = _record(int4.pack_int4(q).cpu(), scale.cpu(), "rtn", tokens, None, reason)
-            state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size)
+            state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size).to(w.dtype)
             continue
         batches.setdefault((tuple(w.shape), t.group_size, t.args.model_dump_json()), []).append(job)
 
@@ -452,7 +457,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
             torch.cuda.set_device(torch.device(device))
         chunk = work[index]
         t0 = chunk[0][0]
-        ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device)
+        ws = torch.stack([state[f"{t.module}.weight"] for t, _, _, _ in chunk]).to(device, stored)
         q, scale, losses, fallback = _gptq(ws, hessians_for(chunk).to(device), t0, settings)
         del ws
         # packed and dequantized where they were computed: only the packed bytes travel to the host
@@ -473,7 +478,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices) -> dict[st
                 reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
             out[t.module] = _record(packed, scale, method, tokens, loss, reason)
             name = f"{t.module}.weight"
-            state[name] = weight.to(state[name].device)
+            state[name] = weight.to(state[name].device, state[name].dtype)
     return out
 
 
