@@ -69,19 +69,24 @@ def serve_logprobs(cmd, model: Path, log: Path, kv_cache_dtype: str = "auto", id
     return out
 
 
-def reference_logprobs(model: Path) -> list[list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+def prompt_logprobs(net, ids_list: list[list[int]]) -> list[list[float]]:
+    """Every prompt token's log-probability under ``net`` on the GPU; frees the GPU memory it held."""
     out = []
     with torch.no_grad():
-        for ids in PROMPTS:
+        for ids in ids_list:
             x = torch.tensor([ids], device="cuda")
             logp = torch.log_softmax(net(x).logits.float(), dim=-1)[0, :-1]
             out.append(logp.gather(1, x[0, 1:, None])[:, 0].tolist())
     del net
     torch.cuda.empty_cache()
     return out
+
+
+def reference_logprobs(model: Path) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    return prompt_logprobs(net, PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["mlp", "all"])
@@ -110,15 +115,7 @@ def quantkit_logprobs(model: Path, ids_list: list[list[int]]) -> list[list[float
     from quantkit.modeling import load_model
 
     net = load_model(model, device="cuda").eval()
-    out = []
-    with torch.no_grad():
-        for ids in ids_list:
-            x = torch.tensor([ids], device="cuda")
-            logp = torch.log_softmax(net(x).logits.float(), dim=-1)[0, :-1]
-            out.append(logp.gather(1, x[0, 1:, None])[:, 0].tolist())
-    del net
-    torch.cuda.empty_cache()
-    return out
+    return prompt_logprobs(net, ids_list)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
