@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.charts import check_chart_path, figure
 from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
 from quantkit.checkpoint.layout import model_tensors
@@ -141,6 +142,7 @@ def plan(
     if deploy:
         if not recipe:
             raise QuantkitError("--deploy needs --recipe: the decode pool serves the converted checkpoint")
+        check_chart_path(Path(chart or "plan-memory.png"))
         report.pools = [
             _pool("prefill", str(root), "bf16", now, config, family, tp, gpu_bytes, mem_fraction, context_len,
                   page_size),
@@ -269,13 +271,13 @@ def fp8_kv_backend(family) -> tuple[str | None, str]:
 
 
 def memory_chart(report: PlanReport, path: Path) -> Path:
-    """A PNG of per-GPU memory in each pool: weights, KV cache, reserve."""
-    import matplotlib
+    """A chart of per-GPU memory in each pool: weights, KV cache, reserve."""
+    with figure(path, figsize=(6, 4)) as (_, ax):
+        _memory_bars(ax, report)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+def _memory_bars(ax, report: PlanReport) -> None:
     names = [f"{p.role}\n{p.kv_dtype} KV" for p in report.pools]
     weights = [p.weights_per_gpu / GIB for p in report.pools]
     kv = [p.kv_tokens_per_gpu * p.kv_bytes_per_token / GIB for p in report.pools]
@@ -291,10 +293,6 @@ def memory_chart(report: PlanReport, path: Path) -> Path:
     ax.set_ylim(0, total * 1.2)
     ax.set_title(f"{report.family}, tp={report.tp}: per-GPU memory by pool")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 @gc_paused

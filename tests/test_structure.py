@@ -18,7 +18,7 @@ LAYERS = [
      "gc_pause"},
     {"formats"},
     {"checkpoint"},
-    {"engines", "modeling", "layerwise"},
+    {"engines", "modeling", "layerwise", "charts"},
     {"convert", "kv", "verify", "evaluation", "plan", "budget"},
     {"release"},
     {"examples", "cli", "__main__"},

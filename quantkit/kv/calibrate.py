@@ -232,13 +232,15 @@ def _with_kv_scheme(q: Quantization) -> dict:
 
 
 def _plot(scales: dict[int, tuple[float, float]], path: Path, attention: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from quantkit.charts import figure
 
     layers = list(scales)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    with figure(path, figsize=(7, 3.5)) as (_, ax):
+        _scale_lines(ax, scales, layers, attention)
+    return path
+
+
+def _scale_lines(ax, scales: dict[int, tuple[float, float]], layers: list[int], attention: str) -> None:
     ax.plot(layers, [scales[i][0] for i in layers], marker="o", label="k_scale")
     ax.plot(layers, [scales[i][1] for i in layers], marker="x", label="v_scale")
     ax.set_xlabel("decoder layer")
@@ -246,7 +248,3 @@ def _plot(scales: dict[int, tuple[float, float]], path: Path, attention: str) ->
     ax.set_yscale("log")
     ax.set_title(f"FP8 KV-cache scales ({'MLA latent' if attention == 'mla' else 'GQA K and V'})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -6,18 +6,20 @@ import base64
 import html
 from pathlib import Path
 
+from quantkit.charts import figure
 from quantkit.checkpoint.writer import write_bytes_atomic
 from quantkit.inert import visible
 
 
 def forest_plot(report, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = report.tasks
-    fig, ax = plt.subplots(figsize=(6.5, 0.6 * len(tasks) + 1.4))
+    with figure(path, figsize=(6.5, 0.6 * len(tasks) + 1.4)) as (_, ax):
+        _forest(ax, report)
+    return path
+
+
+def _forest(ax, report) -> None:
+    tasks = report.tasks
     for y, t in enumerate(reversed(tasks)):
         color = "#2a9d4b" if t.passed else "#c0392b"
         ax.plot([t.low, t.high], [y, y], color=color, lw=2)
@@ -27,10 +29,6 @@ def forest_plot(report, path: Path) -> Path:
     ax.set_yticks(range(len(tasks)), [f"{t.task} (n={t.n})" for t in reversed(tasks)])
     ax.set_xlabel(f"candidate - baseline, accuracy points ({report.confidence:.1%} CI; | = -margin)")
     ax.set_title({"pass": "PASS", "fail": "FAIL", "continue": "UNDECIDED"}[report.decision])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def length_plot(report, path: Path) -> Path | None:
@@ -38,25 +36,21 @@ def length_plot(report, path: Path) -> Path | None:
     checks = [c for c in report.behaviour if c.check == "output length"]
     if not checks:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(checks), 1, figsize=(6.5, 2.4 * len(checks) + 0.6), squeeze=False)
-    for ax, c in zip(axes[:, 0], checks, strict=False):
-        top = max(c.baseline_tokens + c.candidate_tokens + [1])
-        bins = range(0, top + max(1, top // 30), max(1, top // 30))
-        ax.hist(c.baseline_tokens, bins=bins, alpha=0.55, label=f"baseline (mean {c.baseline:.1f})", color="#4c72b0")
-        ax.hist(c.candidate_tokens, bins=bins, alpha=0.55, label=f"candidate (mean {c.candidate:.1f})", color="#dd8452")
-        ax.set_title(f"{c.task}: x{c.estimate:.2f} [{c.low:.2f}, {c.high:.2f}] tokens per answer, "
-                     f"{'pass' if c.passed else 'FAIL'}", fontsize=9)
-        ax.set_xlabel("generated tokens")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, nrows=len(checks), ncols=1, figsize=(6.5, 2.4 * len(checks) + 0.6), squeeze=False) as (_, axes):
+        for ax, c in zip(axes[:, 0], checks, strict=False):
+            _lengths(ax, c)
     return path
+
+
+def _lengths(ax, c) -> None:
+    top = max(c.baseline_tokens + c.candidate_tokens + [1])
+    bins = range(0, top + max(1, top // 30), max(1, top // 30))
+    ax.hist(c.baseline_tokens, bins=bins, alpha=0.55, label=f"baseline (mean {c.baseline:.1f})", color="#4c72b0")
+    ax.hist(c.candidate_tokens, bins=bins, alpha=0.55, label=f"candidate (mean {c.candidate:.1f})", color="#dd8452")
+    ax.set_title(f"{c.task}: x{c.estimate:.2f} [{c.low:.2f}, {c.high:.2f}] tokens per answer, "
+                 f"{'pass' if c.passed else 'FAIL'}", fontsize=9)
+    ax.set_xlabel("generated tokens")
+    ax.legend(fontsize=8)
 
 
 def _blocks(report) -> list[tuple]:

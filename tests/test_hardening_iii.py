@@ -1,0 +1,77 @@
+"""Third adversarial pass: each finding planted as found, and the outcome it asked for.
+
+Every file quantkit writes goes through one writer (a temporary name in the folder, then a rename), pictures
+included: a link planted at an output's path is replaced, never written through.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_gate import suite, write_run
+from typer.testing import CliRunner
+
+from quantkit.checkpoint.reader import open_checkpoint
+from quantkit.cli import app
+from quantkit.convert import convert
+
+runner = CliRunner()
+OUTSIDE = b"someone else's file\n"
+
+
+def quantkit(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def plant_link(path, tmp_path):
+    """A link at ``path`` to a file outside; returns the outside file."""
+    target = tmp_path / "outside.txt"
+    target.write_bytes(OUTSIDE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    return target
+
+
+def replaced_by_a_picture(path, target) -> bool:
+    return target.read_bytes() == OUTSIDE and not path.is_symlink() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_deploys_chart_is_not_written_through_a_link(synthetic, tmp_path):
+    chart = tmp_path / "plan-memory.png"
+    target = plant_link(chart, tmp_path)
+    result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
+                      "--gpu-mem", 1, "--chart", chart)
+    assert result.exit_code == 0, result.output
+    assert replaced_by_a_picture(chart, target)
+
+
+def test_a_chart_path_matplotlib_cannot_write_is_one_line(synthetic, tmp_path):
+    result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
+                      "--gpu-mem", 1, "--chart", tmp_path / "chart.txt")
+    lines = result.output.strip().splitlines()
+    assert result.exit_code != 0 and len(lines) == 1 and "a chart is written as .png" in lines[0], result.output
+    assert "internal error" not in result.output and not (tmp_path / "chart.txt").exists()
+
+
+def test_the_gates_charts_are_not_written_through_a_link(tmp_path):
+    a = write_run(tmp_path / "a", {"arc_easy": [1, 0] * 200}, model="base")
+    b = write_run(tmp_path / "b", {"arc_easy": [1, 1] * 200}, model="cand")
+    target = plant_link(tmp_path / "report" / "forest.png", tmp_path)
+    result = quantkit("gate", a, b, "--suite", suite(tmp_path, ["arc_easy"]), "--report", tmp_path / "report")
+    assert result.exit_code == 0, result.output
+    assert replaced_by_a_picture(tmp_path / "report" / "forest.png", target)
+
+
+def test_calibrate_kv_in_place_never_writes_its_plot_through_a_link_in_the_model(synthetic, tmp_path):
+    import torch
+
+    from quantkit.kv.calibrate import calibrate_kv
+
+    out = tmp_path / "int4"
+    convert(synthetic["llama"], out, "dense-w4a16-g128", device="cpu")
+    tokenizer = out / "tokenizer_config.json"
+    before = tokenizer.read_bytes()
+    (out / "kv_scales.png").symlink_to(tokenizer.name)  # inside the model, pointing at its tokenizer
+    calibrate_kv(out, in_place=True, batches=[torch.randint(0, 512, (1, 16)) for _ in range(2)], device="cpu")
+    assert tokenizer.read_bytes() == before
+    assert not (out / "kv_scales.png").is_symlink() and (out / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
+    assert open_checkpoint(out).config["quantization_config"]["kv_cache_scheme"]
