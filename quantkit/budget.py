@@ -101,8 +101,10 @@ def budget(
     damage to OUT (a YAML recipe; its measurements in a comment at its top). ``dtype``: what the model computes in
     (compute_dtype.py); each option's weights are quantized from the stored dtype, as convert quantizes them."""
     from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
+    from quantkit.checkpoint.config import check_context
     from quantkit.checkpoint.inspection import inspect_checkpoint
     from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.checkpoint.writer import refuse_inside
     from quantkit.convert.tensor_plan import ActionKind, plan_conversion
     from quantkit.devices import resolve_device
     from quantkit.formats.recipe import load_recipe
@@ -117,7 +119,9 @@ def budget(
     if params > MAX_PARAMS:
         raise QuantkitError(f"{params:,} parameters: the budget measures each group on the whole model in memory, "
                             f"for models up to {MAX_PARAMS:,}", src)
+    check_context(ckpt.config, seq_len, "--seq-len", src / "config.json")
     out_path = Path(out)
+    refuse_inside(src, out_path, "--out")
     if out_path.exists() and not out_path.is_file():
         raise QuantkitError("exists and is not a file", out_path)
     plan = plan_conversion(ckpt, base, 5 * 10**9)

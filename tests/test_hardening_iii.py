@@ -75,3 +75,42 @@ def test_calibrate_kv_in_place_never_writes_its_plot_through_a_link_in_the_model
     assert tokenizer.read_bytes() == before
     assert not (out / "kv_scales.png").is_symlink() and (out / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
     assert open_checkpoint(out).config["quantization_config"]["kv_cache_scheme"]
+
+
+# --- Outputs never land in a model folder a command reads ------------------------------------------
+
+
+def test_budget_never_writes_into_the_source(synthetic, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out in (src / "config.json", src / "sub" / "recipe.yaml"):
+        result = quantkit("budget", src, "--recipe", "dense-w4a16-g128", "--budget", "0.9", "--out", out)
+        one_line(result, "--out must not be the model folder or inside it")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_eval_never_writes_its_run_into_the_model(synthetic, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(synthetic["llama"], model)
+    before = sorted(p.name for p in model.rglob("*"))
+    for out in (model, model / "runs"):
+        result = quantkit("eval", model, "--tasks", "arc_easy", "--limit", 2, "--out", out)
+        one_line(result, "RUN_DIR must not be the model folder or inside it")
+    assert sorted(p.name for p in model.rglob("*")) == before
+
+
+def test_budget_refuses_a_seq_len_beyond_the_models_context(synthetic, tmp_path):
+    result = quantkit("budget", synthetic["llama"], "--recipe", "dense-w4a16-g128", "--budget", "0.9",
+                      "--out", tmp_path / "r.yaml", "--seq-len", 257)
+    one_line(result, "--seq-len 257 exceeds the model's context (256)")
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def one_line(result, fragment: str) -> None:
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert result.exit_code not in (0, None) and len(lines) == 1 and fragment in lines[0], result.output

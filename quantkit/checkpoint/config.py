@@ -53,6 +53,14 @@ def check_config(config: dict, path: Path) -> None:
             raise QuantkitError(f"quantization_config.fmt = {fmt!r}: only e4m3 block-FP8 releases are supported", path)
 
 
+def check_context(config: dict, seq_len: int, what: str, path: Path) -> None:
+    """A calibration sequence fits the model's context (``max_position_embeddings``): longer ones would run positions
+    the model never saw, and calibrate on them."""
+    limit = config.get("max_position_embeddings")
+    if limit is not None and seq_len > limit:
+        raise QuantkitError(f"{what} {seq_len} exceeds the model's context ({limit})", path)
+
+
 def _check_layer_lists(config: dict, path: Path) -> None:
     layers = config.get("num_hidden_layers")
     for key, allowed in LAYER_LISTS.items():

@@ -282,6 +282,14 @@ def sync_range(fd: int, offset: int, nbytes: int, wait: bool) -> None:
             raise OSError(err, os.strerror(err))
 
 
+def refuse_inside(model: Path, out: Path, option: str) -> None:
+    """An output of a command that reads MODEL lies outside it: a file written into a model folder replaces one of
+    its own, changes the checksums eval binds a run to, or is copied along by the next convert."""
+    m, o = model.resolve(), out.resolve()
+    if o == m or m in o.parents:
+        raise QuantkitError(f"{option} must not be the model folder or inside it ({model})", out)
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = partial_name(path)
     try:

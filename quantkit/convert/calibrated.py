@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantkit.checkpoint.config import check_context
 from quantkit.checkpoint.manifest import Manifest
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.tensor_plan import ActionKind
@@ -27,10 +28,7 @@ def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.Pat
     if cal is None:
         raise QuantkitError(f"recipe {rec.name} is round-to-nearest: it takes no calibration data")
     data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
-    limit = int(ckpt.config.get("max_position_embeddings") or cal.seq_len)
-    if cal.seq_len > limit:
-        raise QuantkitError(f"recipe {rec.name}: calibration seq_len {cal.seq_len} exceeds the model's context "
-                            f"({limit})", ckpt.root / "config.json")
+    check_context(ckpt.config, cal.seq_len, f"recipe {rec.name}: calibration seq_len", ckpt.root / "config.json")
     return calibration_batches(data, cal.text_field, cal.samples, cal.seq_len, 1, lambda: model_tokenizer(ckpt.root),
                                ckpt.config.get("vocab_size"), require_all=True)
 

@@ -21,7 +21,7 @@ from typing import cast
 
 from pydantic import ValidationError
 
-from quantkit.checkpoint.writer import folder_lock, work_folder, write_error
+from quantkit.checkpoint.writer import folder_lock, refuse_inside, work_folder, write_error
 from quantkit.errors import QuantkitError, field_error
 from quantkit.evaluation.engines import ENGINES, engine_settings
 from quantkit.evaluation.eval_run import EvalRun
@@ -79,11 +79,12 @@ def evaluate(
     s = _settings(settings, options)
     _check(s, order, fraction)
     path = Path(model)
+    run_dir = Path(out) if out else Path("runs") / path.name
+    refuse_inside(path, run_dir, "RUN_DIR")
     run = EvalRun(path, s, s.tasks or list(TASKS), cast(Order, order), fraction, on_progress, on_launch)
     ENGINES[s.engine].check(run)
     run.tokenizer = model_tokenizer(path)
     run.configs = task_configs(run.tasks, s.data_dir, path, run.tokenizer, run.order)  # refused before RUN_DIR exists
-    run_dir = Path(out) if out else Path("runs") / path.name
     if run_dir.exists() and not run_dir.is_dir():
         raise QuantkitError("RUN_DIR exists and is not a folder", run_dir)
     try:

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
-from quantkit.checkpoint.config import Quantization, quantization
+from quantkit.checkpoint.config import Quantization, check_context, quantization
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
-from quantkit.checkpoint.writer import LOCK_NAME, folder_lock
+from quantkit.checkpoint.writer import LOCK_NAME, folder_lock, refuse_inside
 from quantkit.compute_dtype import compute_dtype, dtype_name
 from quantkit.devices import resolve_device
 from quantkit.engines.kv_scales import engine_usage, scale_names
@@ -88,9 +88,7 @@ def calibrate_kv(
     computed_in = compute_dtype(dtype, dev, model_dtype(ckpt.config))
     if batches is not None:
         seq_len = int(batches[0].shape[1])
-    limit = int(ckpt.config.get("max_position_embeddings") or seq_len)
-    if seq_len > limit:
-        raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context ({limit})", src / "config.json")
+    check_context(ckpt.config, seq_len, "--seq-len", src / "config.json")
     if batches is None:
         data_path = Path(data) if data else DEFAULT_DATA
         batches = calibration_batches(data_path, text_field, samples, seq_len, batch_size, lambda: model_tokenizer(src),
@@ -115,8 +113,7 @@ def _check_out(src: Path, dst: Path) -> None:
     s, d = src.resolve(), dst.resolve()
     if d == s:
         raise QuantkitError("--out must differ from the model folder (or use --in-place)", dst)
-    if s in d.parents:
-        raise QuantkitError(f"--out must not be inside the model folder ({src})", dst)
+    refuse_inside(src, dst, "--out")
     if dst.exists() and (not dst.is_dir() or any(p.name != LOCK_NAME for p in dst.iterdir())):
         raise QuantkitError("is not empty", dst)
 
