@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 from statistics import NormalDist
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -342,11 +342,12 @@ def z_tail(z: float) -> float:
 
 def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float, candidate) -> SequentialLook:
     """Which look of the suite's plan the candidate's run is, and the alpha that look spends: every task's items are
-    the seeded-order prefix at one and the same look (eval --order seeded --fraction t)."""
+    the seeded-order prefix at one and the same look (eval --order seeded --fraction t). Looks that round to one item
+    count for a task are one look there, the last of them, spending what they spend together: a run of every item is
+    always the last look, which decides."""
     plan = spec.sequential
     assert plan is not None  # called for sequential suites only
-    index: int | None = None
-    items, population = 0, 0
+    sizes: dict[str, list[int]] = {}
     for task in spec.tasks:
         b, c = base.tasks.get(task), cand.tasks.get(task)
         if b is None or c is None or c.population is None or c.items is None:
@@ -355,19 +356,22 @@ def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float,
         if c.order != "seeded":
             raise CannotCompare(f"task {task}: the candidate's items are in the file's order; a sequential gate looks "
                                 "at seeded-order prefixes (eval --order seeded --fraction)", candidate)
-        sizes = [math.ceil(t * c.population) for t in plan.looks]
-        if c.items not in sizes:
-            raise CannotCompare(f"task {task}: {c.items} items is none of the looks {sizes} of the suite's plan",
+        sizes[task] = [math.ceil(t * c.population) for t in plan.looks]
+        if c.items not in sizes[task]:
+            raise CannotCompare(f"task {task}: {c.items} items is none of the looks {sizes[task]} of the suite's plan",
                                 candidate)
-        at = sizes.index(c.items)
-        if index is not None and at != index:
-            raise CannotCompare("the tasks were evaluated at different looks; evaluate them at one --fraction",
-                                candidate)
-        index, items, population = at, items + c.items, population + c.population
-    assert index is not None  # a suite gates at least one task
+    counts = {task: cast(int, cand.tasks[task].items) for task in spec.tasks}
+    index = max((i for i in range(len(plan.looks)) if all(sizes[t][i] == counts[t] for t in spec.tasks)), default=None)
+    if index is None:
+        raise CannotCompare("the tasks were evaluated at different looks; evaluate them at one --fraction", candidate)
     alphas = look_alphas(alpha_one_sided, plan.looks, plan.spending)
+    # a task spends from the first look past the last one at which it held fewer items; min: none over-spends
+    alpha = min(sum(alphas[next(i for i in range(index + 1) if sizes[t][i] == counts[t]):index + 1])
+                for t in spec.tasks)
+    items = sum(counts.values())
+    population = sum(cast(int, cand.tasks[t].population) for t in spec.tasks)
     return SequentialLook(look=index + 1, looks=len(plan.looks), fraction=plan.looks[index], items=items,
-                          population=population, alpha=alphas[index])
+                          population=population, alpha=alpha)
 
 
 def _decision(verdict: TaskVerdict, look: SequentialLook | None) -> Decision:

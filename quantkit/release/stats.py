@@ -71,7 +71,7 @@ def paired_binary_interval(baseline: list[int], candidate: list[int], z: float,
     gained = sum(1 for x, y in zip(baseline, candidate, strict=True) if y and not x)
     lost = sum(1 for x, y in zip(baseline, candidate, strict=True) if x and not y)
     estimate, low, high = (float(v) for v in tango_interval(gained, lost, len(baseline), z))
-    widen = math.sqrt(max(design_effect, 1.0))
+    widen = math.sqrt(design_effect)
     return 100 * estimate, 100 * (estimate - widen * (estimate - low)), 100 * (estimate + widen * (high - estimate))
 
 
@@ -100,9 +100,10 @@ def bootstrap_interval(values: list[float], confidence: float, rounds: int, seed
 
 
 def design_effect(differences: list[float], clusters: list[str]) -> float:
-    """Cluster-robust variance of the mean difference over the independent one (>= 1 is what widens an interval):
-    sum over clusters of (sum of centred differences)^2, with the G / (G - 1) small-sample factor, over the sum of
-    squared centred differences."""
+    """Cluster-robust variance of the mean difference over the independent one: sum over clusters of (sum of
+    centred differences)^2, with the G / (G - 1) small-sample factor, over the sum of squared centred differences.
+    Never below 1: clustering may widen an interval, never narrow it (differences that cancel within each cluster
+    give 0, which once divided a margin by zero)."""
     d = np.asarray(differences, dtype=np.float64)
     centred = d - d.mean()
     independent = float((centred ** 2).sum())
@@ -113,7 +114,7 @@ def design_effect(differences: list[float], clusters: list[str]) -> float:
     if independent == 0 or g < 2:
         return 1.0
     clustered = g / (g - 1) * sum(v * v for v in groups.values())
-    return clustered / independent
+    return max(clustered / independent, 1.0)
 
 
 def spent(alpha: float, t: float, spending: str) -> float:
