@@ -311,6 +311,8 @@ def _recipe_text(base, groups: list[Group], ckpt, budget_bytes: int) -> str:
     """The chosen formats as a QuantizationModifier recipe (llm-compressor's format), the measurements on top."""
     import yaml
 
+    from quantkit.inert import visible
+
     config_groups = {}
     for option, spec in (("int4-g32", _int4_group(32)), ("int4-g128", _int4_group(128)), ("fp8", _FP8_GROUP)):
         chosen = [g.pattern for g in groups if g.choice == option]
@@ -318,9 +320,11 @@ def _recipe_text(base, groups: list[Group], ckpt, budget_bytes: int) -> str:
             config_groups[option.replace("-", "_")] = {"targets": [f"re:^(?:{'|'.join(chosen)})$"], **spec}
     doc = {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {
         "ignore": list(base.config.ignore or []), "config_groups": config_groups}}}}
-    lines = [f"# written by quantkit budget from {base.name} for {ckpt.root.name}: fits {budget_bytes:,} bytes",
+    # names from the file system and the checkpoint go into YAML comments: a newline in one would start YAML keys
+    lines = [f"# written by quantkit budget from {visible(base.name)} for {visible(ckpt.root.name)}: fits "
+             f"{budget_bytes:,} bytes",
              "# group: chosen format; mean per-token KL (nats) with only this group in each format"]
     for g in groups:
         measured = ", ".join(f"{o} {g.kl[o]:.5f}" for o in g.bytes)
-        lines.append(f"#   {g.name}: {g.choice} ({measured})")
+        lines.append(f"#   {visible(g.name)}: {g.choice} ({measured})")
     return "\n".join(lines) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 16)

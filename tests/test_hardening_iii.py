@@ -155,3 +155,25 @@ def test_differences_that_cancel_in_every_cluster_leave_the_interval_as_it_is():
     c = {i: SampleRecord(item_id=i, prompt_hash=i, correct=int(int(i) % 2 == 0)) for i in ids}
     verdict = _task_verdict("mmlu", ids, b, c, 2.0, z_of(0.025), Suite(tasks={"mmlu": 2.0}), clusters)
     assert verdict.design_effect == 1.0 and verdict.delta == 0
+
+
+# --- What quantkit writes into YAML from a name is inert -------------------------------------------
+
+
+def test_a_newline_in_the_source_folders_name_adds_no_key_to_budgets_recipe(synthetic, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    import yaml
+
+    from quantkit.budget import budget
+
+    src = tmp_path / "src\nquantkit_calibration: {samples: 1}\nx"
+    shutil.copytree(synthetic["llama"], src)
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (32,)).tolist()}) + "\n" for _ in range(2)))
+    budget(src, recipe="dense-w4a16-g128", size="0.9", out=tmp_path / "r.yaml", data=data, samples=2, seq_len=32,
+           device="cpu")
+    text = (tmp_path / "r.yaml").read_text()
+    assert set(yaml.safe_load(text)) == {"quant_stage"} and "src\\nquantkit_calibration" in text.splitlines()[0]
