@@ -177,3 +177,49 @@ def test_a_newline_in_the_source_folders_name_adds_no_key_to_budgets_recipe(synt
            device="cpu")
     text = (tmp_path / "r.yaml").read_text()
     assert set(yaml.safe_load(text)) == {"quant_stage"} and "src\\nquantkit_calibration" in text.splitlines()[0]
+
+
+# --- A recipe means what it says, or is refused ----------------------------------------------------
+
+INT4_GROUP = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        g:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: {sym}, strategy: {strategy}, group_size: {gs}{more}}}
+{fmt}"""
+
+
+def recipe(tmp_path, sym="true", strategy="group", gs="32", more="", fmt=""):
+    path = tmp_path / "r.yaml"
+    path.write_text(INT4_GROUP.format(sym=sym, strategy=strategy, gs=gs, more=more, fmt=fmt))
+    return path
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(more=", observer: mse"), "weights.observer 'mse' is not applied"),
+    (dict(more=", scale_dtype: float16"), "weights.scale_dtype 'torch.float16' is not applied"),
+    (dict(more=", dynamic: true"), "weights.dynamic True is not applied"),
+    (dict(fmt="          format: nvfp4-pack-quantized\n"), "format 'nvfp4-pack-quantized': 4-bit int weights are "
+                                                            "written pack-quantized"),
+    (dict(sym="false", strategy="channel", gs="-1"), "asymmetric INT4 is written group-wise only"),
+    (dict(gs='"32"'), "group_size '32' is not an integer"),
+    (dict(gs="1e400"), "group_size '1e400' is not an integer"),
+])
+def test_a_recipe_argument_quantkit_does_not_apply_is_refused_naming_it(synthetic, tmp_path, kwargs, says):
+    result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", recipe(tmp_path, **kwargs))
+    one_line(result, says)
+    assert "internal error" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_group_without_a_format_is_written_in_the_one_its_weights_have(synthetic, tmp_path):
+    import json
+
+    from quantkit.verify import verify
+
+    convert(synthetic["llama"], tmp_path / "out", recipe(tmp_path), device="cpu")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == config["config_groups"]["g"]["format"] == "pack-quantized"
+    assert verify(tmp_path / "out", source=synthetic["llama"]).passed

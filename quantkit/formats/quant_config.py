@@ -78,6 +78,8 @@ class QuantizationArgs(BaseModel):
     @field_validator("group_size", mode="before")
     @classmethod
     def _group(cls, value):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"group_size {value!r} is not an integer")
         if value is not None and value < -1:
             raise ValueError(f"Invalid group size {value}. Use group_size > 0 for strategy='group' and "
                              "group_size = -1 for 'channel'")
@@ -143,7 +145,7 @@ class QuantizationArgs(BaseModel):
             if self.dynamic == "local" and strategy != "tensor_group":
                 raise ValueError("local is only supported for strategy tensor_group")
         if self.zp_dtype is None:
-            self.zp_dtype = _zero_point_dtype(self.type, self.num_bits)
+            self.zp_dtype = zero_point_dtype(self.type, self.num_bits)
         self.strategy = strategy
         return self
 
@@ -159,7 +161,7 @@ class QuantizationArgs(BaseModel):
         return None if self.symmetric else dtype
 
 
-def _zero_point_dtype(kind: str, num_bits: int) -> str:
+def zero_point_dtype(kind: str, num_bits: int) -> str:
     """compressed-tensors' ``QuantizationArgs.pytorch_dtype`` for the zero point, as torch names it."""
     if kind == "float":
         if num_bits in (4, 8):  # FP4's zero point is stored as FP8 as well

@@ -29,6 +29,7 @@ from quantkit.formats.quant_config import (
     QuantizationScheme,
     any_matcher,
     preset_scheme,
+    zero_point_dtype,
 )
 from quantkit.packaged import recipe_path
 from quantkit.yaml_file import load_yaml_with_bytes
@@ -139,6 +140,7 @@ def load_recipe(recipe: str | Path) -> Recipe:
     calibration = doc.pop(CALIBRATION_KEY, None) if isinstance(doc, dict) else None
     kind, modifier = _find_modifier(doc, path)
     config = _build_config(modifier, path)
+    _check_applied(config, path)
     gptq = signround = None
     if kind == "GPTQModifier":
         gptq = _gptq_settings(modifier, calibration, path)
@@ -217,6 +219,47 @@ def _check_calibrated_schemes(kind: str, config: QuantizationConfig, path: Path)
         # The order is the modifier's processing detail (GPTQSettings.actorder); the written format is the
         # RTN path's, whose config carries no actorder.
         w.actorder = None
+
+
+# The weight formats convert writes (convert/tensor_plan.py) and the format name each is stored under.
+_WRITTEN = {("int", 4): "pack-quantized", ("float", 8): "float-quantized"}
+# Observers that take a weight's own min and max, which is what quantkit's RTN and GPTQ scales are.
+_OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")
+
+
+def _check_applied(config: QuantizationConfig, path: Path) -> None:
+    """Every argument of a group is one quantkit applies, or the recipe is refused naming it: an argument written into
+    config.json and not applied (observer: mse, scale_dtype, dynamic weights) describes tensors that are not there.
+    A group without a format gets the one its weights are written in."""
+    for name, scheme in config.config_groups.items():
+        w, at = scheme.weights, f"config_groups.{name}"
+        if w is None:
+            raise QuantkitError(f"invalid QuantizationModifier: {at} quantizes no weights", path)
+        written = _WRITTEN.get((w.type, w.num_bits))
+        if written is None:
+            raise QuantkitError(f"invalid QuantizationModifier: {at}.weights: {w.num_bits}-bit {w.type} is not a "
+                                "format quantkit writes (INT4, FP8)", path)
+        if scheme.format is None:
+            scheme.format = written
+        elif scheme.format != written:
+            raise QuantkitError(f"invalid QuantizationModifier: {at}.format {scheme.format!r}: {w.num_bits}-bit "
+                                f"{w.type} weights are written {written}", path)
+        for field, value, applied in (("observer", w.observer, _OBSERVERS), ("scale_dtype", w.scale_dtype, (None,)),
+                                      ("zp_dtype", w.zp_dtype, (None, zero_point_dtype(w.type, w.num_bits))),
+                                      ("dynamic", w.dynamic, (False,))):
+            if value not in applied:
+                raise QuantkitError(f"invalid QuantizationModifier: {at}.weights.{field} {value!r} is not applied by "
+                                    "quantkit (scales from each group's own min and max, in the model's dtype); "
+                                    "remove it", path)
+        if w.observer_kwargs:
+            raise QuantkitError(f"invalid QuantizationModifier: {at}.weights.observer_kwargs is not applied by "
+                                "quantkit; remove it", path)
+        if w.type == "int" and not w.symmetric and w.strategy == "channel":
+            raise QuantkitError(f"invalid QuantizationModifier: {at}.weights: asymmetric INT4 is written group-wise "
+                                "only (strategy: group)", path)
+        if scheme.output_activations is not None:
+            raise QuantkitError(f"invalid QuantizationModifier: {at}.output_activations is not applied by quantkit",
+                                path)
 
 
 def _build_config(mod: dict, path: Path) -> QuantizationConfig:
