@@ -2,7 +2,9 @@
 
 ``yaml.safe_load`` constructs no objects, but it still expands aliases: a few kilobytes of
 nested anchors (a "billion laughs" file) become a structure that hangs whatever walks or
-hashes it. Files are capped in size and in alias uses, and every failure names the file.
+hashes it. Files are capped in size, in alias uses and in the size of the document with every alias
+expanded (31 levels of ``{a: *prev, b: *prev}`` are 62 uses and two billion nodes), and every failure
+names the file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from quantkit.errors import QuantkitError
 
 MAX_BYTES = 1 << 20
 MAX_ALIASES = 64
+MAX_NODES = 100_000  # of the document with its aliases expanded; a recipe has a few hundred
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -29,6 +32,26 @@ class _BoundedLoader(yaml.SafeLoader):
                 raise yaml.YAMLError(f"more than {MAX_ALIASES} alias uses (refused: such files can expand without "
                                      f"bound)")
         return super().compose_node(parent, index)
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None and _expanded_nodes(node, {}) > MAX_NODES:
+            raise yaml.YAMLError(f"over {MAX_NODES:,} nodes with its aliases expanded (refused: such files expand "
+                                 "without bound)")
+        return node
+
+
+def _expanded_nodes(node, seen: dict[int, int]) -> int:
+    """How many nodes ``node`` is with every alias expanded; each distinct node is sized once (an alias is the
+    same node object as its anchor), so this runs in the size of the file, not of the expansion."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = MAX_NODES + 1  # a node inside itself (a recursive alias) expands without end
+    children = node.value if isinstance(node, yaml.SequenceNode) else (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+    size = 1 + sum(_expanded_nodes(child, seen) for child in children)
+    seen[id(node)] = size
+    return size
 
 
 def load_yaml(path: str | Path, what: str):

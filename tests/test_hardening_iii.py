@@ -223,3 +223,18 @@ def test_a_group_without_a_format_is_written_in_the_one_its_weights_have(synthet
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == config["config_groups"]["g"]["format"] == "pack-quantized"
     assert verify(tmp_path / "out", source=synthetic["llama"]).passed
+
+
+def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(synthetic, tmp_path):
+    """31 levels of {a: *prev, b: *prev}: 62 alias uses, under the use cap, and two billion nodes expanded; convert
+    walked them at 100 % CPU (killed at 60 s)."""
+    import time
+
+    levels = ["l0: &l0 [x]"] + [f"l{i}: &l{i} {{a: *l{i - 1}, b: *l{i - 1}}}" for i in range(1, 32)]
+    text = "unused:\n" + "".join(f"  {line}\n" for line in levels) + INT4_GROUP.format(
+        sym="true", strategy="group", gs="32", more="", fmt="")
+    (tmp_path / "bomb.yaml").write_text(text)
+    started = time.perf_counter()
+    result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", tmp_path / "bomb.yaml")
+    one_line(result, "nodes with its aliases expanded")
+    assert time.perf_counter() - started < 10 and not (tmp_path / "out").exists()
