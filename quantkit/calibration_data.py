@@ -61,6 +61,10 @@ def _jsonl_rows(path: Path, text_field: str) -> Iterator[str | list[int]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise QuantkitError(f"line {n}: invalid JSON ({exc.msg})", path) from exc
+            except RecursionError as exc:
+                raise QuantkitError(f"line {n}: nested deeper than JSON is read here", path) from exc
+            except ValueError as exc:  # an integer of more digits than Python converts
+                raise QuantkitError(f"line {n}: invalid JSON ({' '.join(str(exc).split())[:120]})", path) from exc
             if not isinstance(row, dict):
                 raise QuantkitError(f"line {n}: not a JSON object", path)
             if text_field in row:

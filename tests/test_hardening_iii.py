@@ -111,9 +111,10 @@ def test_budget_refuses_a_seq_len_beyond_the_models_context(synthetic, tmp_path)
     assert not (tmp_path / "r.yaml").exists()
 
 
-def one_line(result, fragment: str) -> None:
+def one_line(result, fragment: str) -> str:
     lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert result.exit_code not in (0, None) and len(lines) == 1 and fragment in lines[0], result.output
+    return lines[0]
 
 
 # --- Statistics that cannot be talked into a wrong answer -------------------------------------------
@@ -238,3 +239,18 @@ def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(syntheti
     result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", tmp_path / "bomb.yaml")
     one_line(result, "nodes with its aliases expanded")
     assert time.perf_counter() - started < 10 and not (tmp_path / "out").exists()
+
+
+# --- Calibration rows --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row, says", [
+    ('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 1: nested deeper than JSON is read here"),
+    ('{"input_ids": [' + "9" * 5000 + "]}", "line 1: invalid JSON"),
+])
+def test_calibration_rows_json_cannot_read_are_one_line_naming_the_file(synthetic, tmp_path, row, says):
+    (tmp_path / "rows.jsonl").write_text(row + "\n")
+    result = quantkit("calibrate-kv", synthetic["llama"], "--out", tmp_path / "out", "--data", tmp_path / "rows.jsonl",
+                      "--seq-len", 64)
+    line = one_line(result, says)
+    assert "rows.jsonl" in line and "internal error" not in result.output
