@@ -309,8 +309,8 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
                             "alone", root / "config.json")
     layers = int(config["num_hidden_layers"])
     shaped = dict(config, num_hidden_layers=layers + n_mtp)
-    for per_layer in ("mlp_layer_types", "layer_types", "indexer_types"):
-        if isinstance(shaped.get(per_layer), list):
+    for per_layer in ("mlp_layer_types", "layer_types", "indexer_types", "index_topk_pattern"):
+        if isinstance(shaped.get(per_layer), (list, str)):  # the MTP layers are laid out as the last decoder layer
             shaped[per_layer] = shaped[per_layer] + shaped[per_layer][-1:] * n_mtp
     dtype = model_dtype_code(config)
     state = model_tensors(shaped, dtype) or meta_model_tensors(shaped, dtype)

@@ -254,3 +254,40 @@ def test_calibration_rows_json_cannot_read_are_one_line_naming_the_file(syntheti
                       "--seq-len", 64)
     line = one_line(result, says)
     assert "rows.jsonl" in line and "internal error" not in result.output
+
+
+# --- plan from config.json alone --------------------------------------------------------------------
+
+
+def glm_config_only(synthetic, tmp_path, **fields):
+    import json
+
+    config = json.loads((synthetic["glm_moe_dsa"] / "config.json").read_text())
+    config.pop("indexer_types", None)
+    config.update(fields)
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, config
+
+
+def test_plan_reads_glm5s_index_topk_pattern_with_its_mtp_layer(synthetic, tmp_path):
+    from quantkit.plan import plan
+
+    n = 3
+    folder, _ = glm_config_only(synthetic, tmp_path, num_hidden_layers=n, index_topk_pattern="FFF")
+    assert plan(folder).total_params == plan(synthetic["glm_moe_dsa"]).total_params  # every layer "full" there too
+    (tmp_path / "b").mkdir()
+    shared, _ = glm_config_only(synthetic, tmp_path / "b", num_hidden_layers=n, index_topk_pattern="FSF")
+    assert plan(shared).total_params < plan(folder).total_params  # a shared layer holds no indexer weights
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(index_topk_freq="x"), "index_topk_freq = 'x': expected an integer"),
+    (dict(index_skip_topk_offset=[1]), "index_skip_topk_offset = [1]: expected an integer"),
+    (dict(index_topk_pattern="FX"), "index_topk_pattern: expected a string of F and S"),
+    (dict(index_topk_pattern="FF"), "index_topk_pattern has 2 entries for num_hidden_layers = 3"),
+])
+def test_plan_refuses_indexer_fields_it_cannot_read_in_one_line(synthetic, tmp_path, fields, says):
+    folder, _ = glm_config_only(synthetic, tmp_path, **fields)
+    one_line(quantkit("plan", folder), says)

@@ -21,7 +21,7 @@ LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "hidden_siz
           # the attention and MoE dimensions checkpoint/layout.py sizes tensors from
           "n_shared_experts": 8192, "first_k_dense_replace": 1024, "head_dim": 1 << 16, "kv_lora_rank": 1 << 17,
           "q_lora_rank": 1 << 17, "qk_rope_head_dim": 1 << 16, "qk_nope_head_dim": 1 << 16, "v_head_dim": 1 << 16,
-          "index_head_dim": 1 << 16, "index_n_heads": 4096,
+          "index_head_dim": 1 << 16, "index_n_heads": 4096, "index_topk_freq": 1024, "index_skip_topk_offset": 1024,
           "max_position_embeddings": 1 << 24}  # the context eval's needle tasks and calibration lengths check against
 _DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # One entry per decoder layer, read by checkpoint/layout.py (transformers' glm_moe_dsa and deepseek_v3 configs).
@@ -63,6 +63,13 @@ def check_context(config: dict, seq_len: int, what: str, path: Path) -> None:
 
 def _check_layer_lists(config: dict, path: Path) -> None:
     layers = config.get("num_hidden_layers")
+    pattern = config.get("index_topk_pattern")  # GLM-5's short form of indexer_types: one F(ull) or S(hared) a layer
+    if pattern is not None:
+        if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
+            raise QuantkitError("index_topk_pattern: expected a string of F and S, one per layer", path)
+        if layers is not None and len(pattern) != layers:
+            raise QuantkitError(f"index_topk_pattern has {len(pattern)} entries for num_hidden_layers = {layers}",
+                                path)
     for key, allowed in LAYER_LISTS.items():
         value = config.get(key)
         if value is None:

@@ -114,7 +114,7 @@ def _indexer_types(config: dict, n: int) -> list[bool]:
     if types is None:
         pattern = config.get("index_topk_pattern")
         if pattern is not None:
-            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]  # checked by check_config
         else:
             freq = max(config.get("index_topk_freq", 1), 1)
             offset = config.get("index_skip_topk_offset", 2)
