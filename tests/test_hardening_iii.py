@@ -291,3 +291,30 @@ def test_plan_reads_glm5s_index_topk_pattern_with_its_mtp_layer(synthetic, tmp_p
 def test_plan_refuses_indexer_fields_it_cannot_read_in_one_line(synthetic, tmp_path, fields, says):
     folder, _ = glm_config_only(synthetic, tmp_path, **fields)
     one_line(quantkit("plan", folder), says)
+
+
+# --- Resume ------------------------------------------------------------------------------------------
+
+
+def test_release_resume_after_the_source_was_replaced_runs_every_stage_again(synthetic, tmp_path):
+    """It reported every stage "done earlier" and would have published the old conversion."""
+    import shutil
+
+    from test_hardening import release_config
+
+    from quantkit.examples.synthetic import build_synthetic
+    from quantkit.release import ReleaseStopped, release
+
+    source = tmp_path / "source"
+    shutil.copytree(synthetic["llama"], source)
+    config = release_config(tmp_path, source)
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):  # no data: the chain stops after verify
+        release(config)
+    shutil.rmtree(source)
+    build_synthetic("llama", source, seed=9, fp8=False, num_hidden_layers=3)  # another model at the same path
+    seen = []
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):
+        release(config, resume=True, on_stage=seen.append)
+    assert [(r.stage, r.status) for r in seen] == [("plan", "ran"), ("convert", "ran"), ("calibrate-kv", "skipped"),
+                                                   ("verify", "ran")]
+    assert open_checkpoint(tmp_path / "release-work" / "model").config["num_hidden_layers"] == 3

@@ -139,6 +139,8 @@ def _fingerprint(running, chain: Chain, stage: Stage) -> str:
                                for k, v in sections.items()}, sort_keys=True).encode())
     for path in stage.files(chain):
         running.update(f"{path.name}:{sha256_file(path) if path.is_file() else 'missing'}".encode())
+    for identity in stage.identity(chain):
+        running.update(identity.encode())
     return running.hexdigest()
 
 

@@ -109,6 +109,8 @@ class Stage:
     outputs: Callable[[Chain], tuple[list[Path], dict[str, str]]]  # its files, with the sha256 known of some
     sections: tuple[str, ...] = ()  # the config sections it reads; its fingerprint also covers every earlier stage's
     files: Callable[[Chain], list[Path]] = lambda chain: []  # files it reads, fingerprinted by content
+    # what else it reads, by identity: the source checkpoint's fingerprint (a replaced source re-runs every stage)
+    identity: Callable[[Chain], list[str]] = lambda chain: []
 
 
 def _write_json(path: Path, report) -> None:
@@ -302,12 +304,19 @@ def _suite_files(chain: Chain) -> list[Path]:
     return [suite_path(chain.suite or DEFAULT_SUITE)]
 
 
+def _source_identity(chain: Chain) -> list[str]:
+    """The source as convert's manifest identifies it: config, shard names, sizes and headers."""
+    from quantkit.checkpoint.reader import open_checkpoint
+
+    return [open_checkpoint(chain.source).fingerprint()]
+
+
 def _one(name: str) -> Callable[[Chain], tuple[list[Path], dict[str, str]]]:
     return lambda chain: ([chain.work / name], {})
 
 
 STAGES = [
-    Stage("plan", _plan, _one("plan.json"), ("source", "recipe", "convert"), _recipe_files),
+    Stage("plan", _plan, _one("plan.json"), ("source", "recipe", "convert"), _recipe_files, _source_identity),
     Stage("convert", _convert, _model_files, (), _calibration_files),
     Stage("calibrate-kv", _calibrate, _model_files, ("calibrate_kv",), _kv_data_files),
     Stage("verify", _verify, _one("verify.json"), ("verify",)),
