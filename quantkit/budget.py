@@ -63,14 +63,16 @@ class BudgetResult:
     int4_share: float = 0.0  # share of the groups' weights left in INT4
 
 
-def option_bytes(option: str, shape: tuple[int, int]) -> int | None:
+def option_bytes(option: str, shape: tuple[int, int], symmetric: bool = True) -> int | None:
     """Bytes one Linear weight takes on disk in ``option`` (None: the option does not fit its shape)."""
     out, inn = shape
     if option.startswith("int4"):
         group = int(option.removeprefix("int4-g"))
         if inn % group:
             return None
-        return out * inn // 2 + out * (inn // group) * 2 + 16  # packed nibbles, bf16 scales, int64[2] weight_shape
+        zero_points = 0 if symmetric else math.ceil(out / 8) * (inn // group) * 4  # int32, 8 to a word
+        # packed nibbles, bf16 scales, int64[2] weight_shape
+        return out * inn // 2 + out * (inn // group) * 2 + 16 + zero_points
     if option == "fp8":
         return out * inn + math.ceil(out / 128) * math.ceil(inn / 128) * 4  # fp32 scale per 128x128 block
     return out * inn * 2
@@ -126,7 +128,11 @@ def budget(
         raise QuantkitError("exists and is not a file", out_path)
     plan = plan_conversion(ckpt, base, 5 * 10**9)
     int4 = [a for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
-    groups = _groups(int4, ckpt)
+    conventions = {a.symmetric for a in int4}
+    if len(conventions) > 1:
+        raise QuantkitError(f"recipe {base.name} mixes symmetric and asymmetric INT4 groups; the budget writes one")
+    symmetric = conventions.pop() if conventions else True  # the base recipe's: measured and written as it is
+    groups = _groups(int4, ckpt, symmetric)
     if not groups:
         raise QuantkitError(f"recipe {base.name} quantizes nothing to INT4 in this model", src)
     budget_bytes = parse_budget(size, ckpt.total_bytes)
@@ -139,15 +145,18 @@ def budget(
     data_path = Path(data) if data else DEFAULT_DATA
     batches = calibration_batches(data_path, "text", samples, seq_len, 1, lambda: model_tokenizer(src),
                                   ckpt.config.get("vocab_size"), require_all=True)
-    _measure(ckpt, groups, batches, dev, dtype)
+    _measure(ckpt, groups, batches, dev, dtype, symmetric)
     room = budget_bytes - others
     while True:  # the headers of the chosen formats differ a little from the base's: shrink the room until it fits
         _choose(groups, room)
-        text = _recipe_text(base, groups, ckpt, budget_bytes)
+        text = _recipe_text(base, groups, ckpt, budget_bytes, symmetric)
         written = plan_conversion(ckpt, _recipe_from_text(text), 5 * 10**9).file_bytes
         if written <= budget_bytes or room <= smallest - others:
             break
         room -= written - budget_bytes
+    if written > budget_bytes:  # the smallest choice's headers took it over: nothing fits
+        raise QuantkitError(f"--budget {size} is {budget_bytes:,} bytes; the smallest recipe the groups allow converts "
+                            f"to {written:,}: nothing written")
     from quantkit.checkpoint.writer import write_bytes_atomic
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +181,7 @@ def _recipe_from_text(text: str):
         return load_recipe(path)
 
 
-def _groups(actions, ckpt) -> list[Group]:
+def _groups(actions, ckpt, symmetric: bool) -> list[Group]:
     """The base recipe's INT4 weights gathered per decoder layer and component, in layer order."""
     groups: dict[str, Group] = {}
     for a in actions:
@@ -190,7 +199,7 @@ def _groups(actions, ckpt) -> list[Group]:
         group.shapes.append((int(shape[0]), int(shape[1])))
     for group in groups.values():
         for option in OPTIONS:
-            sizes = [option_bytes(option, s) for s in group.shapes]
+            sizes = [option_bytes(option, s, symmetric) for s in group.shapes]
             if all(b is not None for b in sizes):
                 group.bytes[option] = sum(b for b in sizes if b is not None)
     return sorted(groups.values(), key=lambda g: _order(g.name))
@@ -201,7 +210,7 @@ def _order(name: str) -> tuple:
     return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
 
 
-def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str) -> None:
+def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmetric: bool) -> None:
     """Every group's KL in every option that fits it, with the rest of the model as the source holds it."""
     import torch
 
@@ -245,7 +254,8 @@ def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str) -> Non
                         q, s = fp8_block.quantize_fp8_block(w.to(stored), block)
                         m.weight.data = fp8_block.dequantize_fp8_block(q, s, block, stored).to(w.dtype)
                     else:
-                        m.weight.data = int4.fake_quantize_int4(w.to(stored), int(option.removeprefix("int4-g")))
+                        m.weight.data = int4.fake_quantize_int4(w.to(stored), int(option.removeprefix("int4-g")),
+                                                                symmetric)
                         m.weight.data = m.weight.data.to(w.dtype)
                 group.kl[option] = max(kl(), 0.0)
             for m, w in zip(modules, saved, strict=True):
@@ -301,25 +311,30 @@ _FP8_GROUP = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "st
               "output_activations": None, "format": "float-quantized"}
 
 
-def _int4_group(size: int) -> dict:
-    return {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": size,
+def _int4_group(size: int, symmetric: bool) -> dict:
+    return {"weights": {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": size,
                         "dynamic": False}, "input_activations": None, "output_activations": None,
             "format": "pack-quantized"}
 
 
-def _recipe_text(base, groups: list[Group], ckpt, budget_bytes: int) -> str:
-    """The chosen formats as a QuantizationModifier recipe (llm-compressor's format), the measurements on top."""
+def _recipe_text(base, groups: list[Group], ckpt, budget_bytes: int, symmetric: bool) -> str:
+    """The chosen formats as a QuantizationModifier recipe (llm-compressor's format), the measurements on top; what the
+    base recipe says besides its INT4 groups (its other groups, ignore, kv_cache_scheme) is carried over."""
     import yaml
 
     from quantkit.inert import visible
 
-    config_groups = {}
-    for option, spec in (("int4-g32", _int4_group(32)), ("int4-g128", _int4_group(128)), ("fp8", _FP8_GROUP)):
+    config_groups = {f"base_{name}": scheme.model_dump(mode="json", exclude_none=True)
+                     for name, scheme in base.config.config_groups.items() if scheme.weights.num_bits != 4}
+    for option, spec in (("int4-g32", _int4_group(32, symmetric)), ("int4-g128", _int4_group(128, symmetric)),
+                         ("fp8", _FP8_GROUP)):
         chosen = [g.pattern for g in groups if g.choice == option]
         if chosen:
             config_groups[option.replace("-", "_")] = {"targets": [f"re:^(?:{'|'.join(chosen)})$"], **spec}
-    doc = {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {
-        "ignore": list(base.config.ignore or []), "config_groups": config_groups}}}}
+    modifier = {"ignore": list(base.config.ignore or []), "config_groups": config_groups}
+    if base.config.kv_cache_scheme is not None:
+        modifier["kv_cache_scheme"] = base.config.kv_cache_scheme.model_dump(mode="json", exclude_none=True)
+    doc = {"quant_stage": {"quant_modifiers": {"QuantizationModifier": modifier}}}
     # names from the file system and the checkpoint go into YAML comments: a newline in one would start YAML keys
     lines = [f"# written by quantkit budget from {visible(base.name)} for {visible(ckpt.root.name)}: fits "
              f"{budget_bytes:,} bytes",

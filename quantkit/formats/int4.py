@@ -101,6 +101,10 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, group_size: int,
     return (w * scale.unsqueeze(-1)).reshape(out, inn)
 
 
-def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+def fake_quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = True) -> torch.Tensor:
+    """``w`` as it comes back from its INT4 form: symmetric, or with a zero point per group."""
+    if not symmetric:
+        q, scale, zero_point = quantize_int4_asym(w, group_size)
+        return dequantize_int4(q, scale, group_size, zero_point)
     q, scale = quantize_int4(w, group_size)
     return dequantize_int4(q, scale, group_size)
