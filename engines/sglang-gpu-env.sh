@@ -16,7 +16,8 @@ export PYTHONPATH="$site:$PWD"
 export HF_HUB_OFFLINE=1
 export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi-cache}"
 export QUANTKIT_SGLANG_SITE="$site"
-# the kernels an earlier start compiled (5-8 minutes on a fresh machine), where a run brought them back
-if [ -f .gpu/tvm-ffi-cache.tar.xz ] && [ ! -d "$TVM_FFI_CACHE_DIR" ]; then
-  tar -C "$(dirname "$TVM_FFI_CACHE_DIR")" -xJf .gpu/tvm-ffi-cache.tar.xz
+# the kernels an earlier start compiled (SGLang's JIT kernels and Triton's; 5-8 minutes on a fresh machine), where a
+# run brought them back: tar -C / -cJf gpu-caches.tar.xz tmp/tvm-ffi-cache root/.triton
+if [ -f .gpu/gpu-caches.tar.xz ] && [ ! -d "$TVM_FFI_CACHE_DIR" ]; then
+  tar -C / -xJf .gpu/gpu-caches.tar.xz
 fi
