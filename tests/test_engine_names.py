@@ -309,10 +309,11 @@ def test_the_model_card_states_the_kv_scale_situation_per_engine(outputs, tmp_pa
     assert "**sglang 0.5.23 skips this checkpoint's scale tensors** (model.layers.0.self_attn.k_scale: " in card
 
 
-def test_plan_deploy_picks_the_backend_that_uses_the_scales(synthetic):
+def test_plan_deploy_picks_the_backend_that_uses_the_scales(synthetic, tmp_path):
     from quantkit.plan import plan
 
-    decode = {f: plan(synthetic[f], RECIPE_FOR[f], deploy=True, chart="/dev/null").pools[1] for f in RECIPE_FOR}
+    decode = {f: plan(synthetic[f], RECIPE_FOR[f], deploy=True, chart=tmp_path / f"{f}.png").pools[1]
+              for f in RECIPE_FOR}
     assert decode["deepseek_v3"].launch.endswith("--attention-backend triton")
     assert decode["deepseek_v3"].kv_scales.startswith("triton: the SGLang 0.5.23 MLA backend whose FP8 KV path uses")
     assert decode["llama"].launch.endswith("--attention-backend fa3")

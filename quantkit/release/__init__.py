@@ -109,7 +109,10 @@ def _run_chain(chain: Chain, on_stage: Callable[[StageRecord], None] | None) -> 
     state = chain.state
     fingerprint = hashlib.sha256()
     for index, stage in enumerate(_STAGES):
-        digest = _fingerprint(fingerprint, chain, stage)
+        try:  # reading what the stage reads (the source's headers) can fail as the stage itself would
+            digest = _fingerprint(fingerprint, chain, stage)
+        except QuantkitError as exc:
+            raise ReleaseStopped(stage.name, str(exc), chain.config_path) from exc
         done = state.stages.get(stage.name)
         changed = state.changed_output(stage.name) if done and done.fingerprint == digest else None
         if done and done.fingerprint == digest and changed is None:
