@@ -170,16 +170,17 @@ def test_a_noise_run_of_another_model_or_setup_is_refused(tmp_path):
 
 # ---- the real SmolLM2 on real GSM8K items ----------------------------------------------------------------
 
-def standin(mode: str) -> str:
+def standin(mode: str, answers: Path) -> str:
     import shlex
 
-    return shlex.join([sys.executable, str(STANDIN), "--standin-mode", mode])
+    return shlex.join([sys.executable, str(STANDIN), "--standin-mode", mode, "--standin-answers", str(answers)])
 
 
 @pytest.mark.slow
 def test_planted_candidates_on_smollm2_gsm8k(smollm2_bf16, tmp_path):
-    """Served by the SGLang stand-in from the real SmolLM2: the model as it is (twice), the same answers with
-    unrelated text appended (x1.5), and the same answers except one prompt in two looping to the limit."""
+    """Served by the SGLang stand-in from the real SmolLM2's greedy answers (generated once, kept in a file the
+    servers share): the model as it is (twice), the same answers with unrelated text appended (x1.5), and the same
+    answers except one prompt in two looping to the limit."""
     from transformers import AutoTokenizer
 
     from quantkit.evaluation import evaluate
@@ -188,7 +189,8 @@ def test_planted_candidates_on_smollm2_gsm8k(smollm2_bf16, tmp_path):
     runs = {}
     for name, mode in (("base", "model"), ("again", "model"), ("filler", "filler"), ("loop", "loop")):
         runs[name] = evaluate(smollm2_bf16, engine="sglang", tasks=["gsm8k"], data_dir=DATA, limit=12,
-                              out=tmp_path / name, engine_cmd=standin(mode), batch_size=4).run_dir
+                              out=tmp_path / name, engine_cmd=standin(mode, tmp_path / "answers.jsonl"),
+                              batch_size=4).run_dir
     base = [json.loads(x) for x in (tmp_path / "base" / "samples" / "gsm8k.jsonl").read_text().splitlines()]
     assert all(r["generated_tokens"] == len(tokenizer(r["generation"], add_special_tokens=False)["input_ids"]) for r in base)
     s = suite(tmp_path, ["gsm8k"], margin=50)  # accuracy is not what these candidates break

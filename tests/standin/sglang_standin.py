@@ -41,14 +41,22 @@ def parse_args(argv):
     p.add_argument("--random-seed", type=int)
     p.add_argument("--standin-mode", default="model")
     p.add_argument("--standin-pids", help="Write the pids of this server and its scheduler here.")
+    p.add_argument("--standin-answers", help="A JSON-lines file of the real model's greedy answers: read at start, "
+                                             "each new one appended (servers started one after another share them).")
     return p.parse_args(argv)
 
 
 class Scorer:
     """Log-probabilities and greedy text, from the real model or from a hash."""
 
-    def __init__(self, model_path: str, real: bool):
+    def __init__(self, model_path: str, real: bool, answers_file: str | None = None):
         self.real = real
+        self.answers_file = answers_file
+        self.answers: dict[str, str] = {}
+        if answers_file and os.path.isfile(answers_file):
+            for line in open(answers_file):
+                record = json.loads(line)
+                self.answers[record["key"]] = record["text"]
         if real:
             import torch
             from transformers import AutoTokenizer
@@ -85,8 +93,18 @@ class Scorer:
     def generate(self, tokens: list[int], max_tokens: int, stop: list[str]) -> str:
         if not self.real:
             return f" The answer is {int(hashlib.sha256(str(tokens).encode()).hexdigest(), 16) % 100}."
+        key = hashlib.sha256(json.dumps([tokens, max_tokens, stop]).encode()).hexdigest()
+        with self.lock:
+            if key not in self.answers:
+                self.answers[key] = self._generate(tokens, max_tokens, stop)
+                if self.answers_file:
+                    with open(self.answers_file, "a") as f:
+                        f.write(json.dumps({"key": key, "text": self.answers[key]}) + "\n")
+            return self.answers[key]
+
+    def _generate(self, tokens: list[int], max_tokens: int, stop: list[str]) -> str:
         torch = self.torch
-        with self.lock, torch.no_grad():  # greedy, with the KV cache, stopping at a stop string or EOS
+        with torch.no_grad():  # greedy, with the KV cache, stopping at a stop string or EOS
             out = self.model.generate(torch.tensor([tokens]), max_new_tokens=max_tokens, do_sample=False,
                                       stop_strings=stop or None, tokenizer=self.tokenizer,
                                       pad_token_id=self.tokenizer.eos_token_id)
@@ -131,7 +149,7 @@ def serve(args) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
-    scorer = Scorer(args.model_path, real=(mode == "model" or mode in PLANTED))
+    scorer = Scorer(args.model_path, real=(mode == "model" or mode in PLANTED), answers_file=args.standin_answers)
     served = {"n": 0}
     name = os.path.basename(os.path.normpath(args.model_path))
 
