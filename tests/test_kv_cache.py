@@ -222,3 +222,18 @@ def test_fake_fp8_saturates_and_rounds():
     x = torch.tensor([0.0, 1.0, 448.0, 1000.0, -1000.0])
     assert fake_fp8(x, 1.0).tolist() == [0.0, 1.0, 448.0, 448.0, -448.0]
     assert fake_fp8(x, 1000 / 448).tolist()[3] == pytest.approx(1000.0)
+
+
+def test_emulated_fp8_kv_keeps_the_padding_mask(synthetic):
+    """A left-padded batch under FP8 KV emulation gives each prompt what it gives alone (transformers builds no mask
+    for an attention implementation without a mask function: the padding was attended to)."""
+    model = load_model(synthetic["llama"], torch.float32).eval()
+    short, long = [5, 9, 13, 17], [3, 1, 4, 1, 5, 9, 2, 6]
+    ids = torch.tensor([[0] * (len(long) - len(short)) + short, long])
+    mask = torch.tensor([[0] * (len(long) - len(short)) + [1] * len(short), [1] * len(long)])
+    layers = model.config.num_hidden_layers
+    with torch.no_grad(), kv_hooks(model, "gqa", scales={i: (0.01, 0.01) for i in range(layers)}):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate gives a left-padded batch
+        batched = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        alone = model(torch.tensor([short])).logits[0, -1]
+    assert torch.allclose(batched[0], alone, atol=1e-4)

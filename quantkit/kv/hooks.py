@@ -97,6 +97,7 @@ def kv_hooks(model_or_layers, attention: str, observer: KVObserver | None = None
             attn.expand_kv = expand_kv
             restore.append(lambda a=attn: delattr(a, "expand_kv"))
     else:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         def attention_fn(module, query, key, value, *args, **kwargs):
@@ -108,6 +109,10 @@ def kv_hooks(model_or_layers, attention: str, observer: KVObserver | None = None
             return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, *args, **kwargs)
 
         ALL_ATTENTION_FUNCTIONS[_ATTN_NAME] = attention_fn
+        # the masks sdpa is given: an attention implementation with no mask function of its own gets no mask at
+        # all from transformers, so a padded batch attended to its padding and queries on a cache were masked as
+        # if they started at key 0
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         configs = {id(a.config): a.config for a in attns}
         for cfg in configs.values():
             previous = cfg._attn_implementation
