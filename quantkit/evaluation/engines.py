@@ -98,10 +98,10 @@ class HFEngine(Engine):
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
         import torch
         import transformers
-        from lm_eval.models.huggingface import HFLM
 
         from quantkit.checkpoint.families import detect_family
         from quantkit.checkpoint.reader import open_checkpoint
+        from quantkit.evaluation.shared_context import SharedContextHFLM
         from quantkit.kv.hooks import kv_hooks
         from quantkit.modeling import load_model
 
@@ -111,7 +111,8 @@ class HFEngine(Engine):
             stack.enter_context(kv_hooks(model, attention, scales=run.scales))
         record = EngineRecord(name="hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
                               args=_recorded(run))
-        return Started(HFLM(pretrained=model, tokenizer=run.tokenizer, batch_size=run.settings.batch_size), record)
+        return Started(SharedContextHFLM(pretrained=model, tokenizer=run.tokenizer, batch_size=run.settings.batch_size),
+                       record)
 
 
 def _compute_dtype(settings: EvalSettings, device: str | None, model: Path):
