@@ -227,6 +227,28 @@ def test_a_group_without_a_format_is_written_in_the_one_its_weights_have(synthet
     assert verify(tmp_path / "out", source=synthetic["llama"]).passed
 
 
+@pytest.mark.parametrize("where", ["group", "top"])
+def test_verify_refuses_a_config_naming_another_format_than_the_tensors_have(synthetic, tmp_path, where):
+    """config.json edited to say nvfp4-pack-quantized over INT4 tensors: an engine would read them as FP4."""
+    import json
+
+    from quantkit.verify import verify
+
+    convert(synthetic["llama"], tmp_path / "out", recipe(tmp_path), device="cpu")
+    path = tmp_path / "out" / "config.json"
+    config = json.loads(path.read_text())
+    q = config["quantization_config"]
+    if where == "group":
+        q["config_groups"]["g"]["format"] = "nvfp4-pack-quantized"
+    else:
+        q["format"], q["config_groups"]["g"]["format"] = "nvfp4-pack-quantized", None
+    path.write_text(json.dumps(config))
+    report = verify(tmp_path / "out", smoke=False)
+    assert not report.passed
+    assert any("names format 'nvfp4-pack-quantized'; the tensor is stored pack-quantized" in f.message
+               for f in report.findings)
+
+
 def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(synthetic, tmp_path):
     """31 levels of {a: *prev, b: *prev}: 62 alias uses, under the use cap, and two billion nodes expanded; convert
     walked them at 100 % CPU (killed at 60 s)."""

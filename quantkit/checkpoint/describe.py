@@ -13,7 +13,7 @@ from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.formats.quant_config import match_name
-from quantkit.formats.recipe import Recipe
+from quantkit.formats.recipe import WRITTEN_FORMAT, Recipe
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
         claimed = "int4" if int4 else "fp8" if weights is not None and weights.num_bits == 8 else "other"
         if claimed != stored:
             found.append(Mismatch(name, f"group {match[0]} says {claimed}, tensor is {stored}"))
+            continue
+        # an engine picks its loader by the format named (an INT4 tensor under nvfp4-pack-quantized is read as FP4)
+        named = match[1].format or described.config.format
+        written = WRITTEN_FORMAT.get(("int", 4) if stored == "int4" else ("float", 8))
+        if named not in (None, "mixed-precision", written):
+            found.append(Mismatch(name, f"group {match[0]} names format {named!r}; the tensor is stored {written}"))
     return found
 
 

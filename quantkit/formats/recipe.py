@@ -222,7 +222,7 @@ def _check_calibrated_schemes(kind: str, config: QuantizationConfig, path: Path)
 
 
 # The weight formats convert writes (convert/tensor_plan.py) and the format name each is stored under.
-_WRITTEN = {("int", 4): "pack-quantized", ("float", 8): "float-quantized"}
+WRITTEN_FORMAT = {("int", 4): "pack-quantized", ("float", 8): "float-quantized"}
 # Observers that take a weight's own min and max, which is what quantkit's RTN and GPTQ scales are.
 _OBSERVERS = (None, "minmax", "memoryless_minmax", "static_minmax")
 
@@ -235,7 +235,7 @@ def _check_applied(config: QuantizationConfig, path: Path) -> None:
         w, at = scheme.weights, f"config_groups.{name}"
         if w is None:
             raise QuantkitError(f"invalid QuantizationModifier: {at} quantizes no weights", path)
-        written = _WRITTEN.get((w.type, w.num_bits))
+        written = WRITTEN_FORMAT.get((w.type, w.num_bits))
         if written is None:
             raise QuantkitError(f"invalid QuantizationModifier: {at}.weights: {w.num_bits}-bit {w.type} is not a "
                                 "format quantkit writes (INT4, FP8)", path)
