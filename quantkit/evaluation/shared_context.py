@@ -59,7 +59,8 @@ class SharedContextHFLM(HFLM):
         mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], device=device)
         # the decoder's states, then the output head at each context's last position only
         out = self.model.model(input_ids=ids, attention_mask=mask, use_cache=True)
-        ends = out.last_hidden_state[torch.arange(len(contexts), device=device), torch.tensor(lengths) - 1]
+        last = torch.tensor(lengths, device=device) - 1
+        ends = out.last_hidden_state[torch.arange(len(contexts), device=device), last]
         first = F.log_softmax(self.model.lm_head(ends), dim=-1, dtype=self.softmax_dtype)
         rows = [g for g, conts in enumerate(continuations) for _ in conts]
         flat = [c for conts in continuations for c in conts]
