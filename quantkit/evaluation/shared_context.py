@@ -20,9 +20,10 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
-SHARED_CONTEXT_MODELS = ("llama",)
-CHUNK = 64  # continuations per forward on their contexts' cache
-QUESTIONS = 32  # contexts per forward  # model types tests/test_shared_context.py holds equal to HFLM
+SHARED_CONTEXT_MODELS = ("llama",)  # model types tests/test_shared_context.py holds equal to HFLM
+# per forward, for --batch-size B requests: 2B questions' contexts (a context is most of a request's tokens), then
+# 4B continuations on their cache (a few tokens each); measured at B = 16 (docs/eval.md)
+QUESTIONS_PER_REQUEST, CONTINUATIONS_PER_REQUEST = 2, 4
 
 
 class SharedContextHFLM(HFLM):
@@ -35,13 +36,15 @@ class SharedContextHFLM(HFLM):
         for i, (_, context, _) in enumerate(requests):
             groups.setdefault(tuple(context), []).append(i)
         ordered = sorted(groups.items(), key=lambda g: -len(g[0]))  # similar lengths share a batch: little padding
-        per_batch = QUESTIONS
+        requests_per_forward = int(override_bs or self.batch_size) if str(self.batch_size).isdigit() else 16
+        per_batch = QUESTIONS_PER_REQUEST * requests_per_forward
+        chunk = CONTINUATIONS_PER_REQUEST * requests_per_forward
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                   desc="Running loglikelihood requests") as bar:
             for start in range(0, len(ordered), per_batch):
                 batch = ordered[start:start + per_batch]
-                scored = self._score([c for c, _ in batch], [[requests[i][2] for i in m] for _, m in batch])
+                scored = self._score([c for c, _ in batch], [[requests[i][2] for i in m] for _, m in batch], chunk)
                 for (_, members), group in zip(batch, scored, strict=True):
                     for i, answer in zip(members, group, strict=True):
                         answers[i] = answer
@@ -50,7 +53,7 @@ class SharedContextHFLM(HFLM):
         return answers  # type: ignore[return-value]
 
     @torch.no_grad()
-    def _score(self, contexts: list[tuple[int, ...]], continuations: list[list[list[int]]]
+    def _score(self, contexts: list[tuple[int, ...]], continuations: list[list[list[int]]], chunk: int
                ) -> list[list[tuple[float, bool]]]:
         """For each context, each of its continuations' log-probability and whether greedy decoding gives it."""
         device, lengths = self.device, [len(c) for c in contexts]
@@ -66,11 +69,10 @@ class SharedContextHFLM(HFLM):
         flat = [c for conts in continuations for c in conts]
         rest: dict[int, torch.Tensor] = {}  # row -> log-probabilities after its continuation's tokens but the last
         longer = sorted((r for r, c in enumerate(flat) if len(c) > 1), key=lambda r: len(flat[r]))
-        for start in range(0, len(longer), CHUNK):  # rows of similar lengths together: little padding
-            chunk = longer[start:start + CHUNK]
-            logp = self._continue(out.past_key_values, mask, lengths, [rows[r] for r in chunk],
-                                  [flat[r] for r in chunk])
-            rest.update({r: logp[k, :len(flat[r]) - 1] for k, r in enumerate(chunk)})
+        for start in range(0, len(longer), chunk):  # rows of similar lengths together: little padding
+            part = longer[start:start + chunk]
+            logp = self._continue(out.past_key_values, mask, lengths, [rows[r] for r in part], [flat[r] for r in part])
+            rest.update({r: logp[k, :len(flat[r]) - 1] for k, r in enumerate(part)})
         answers: list[list[tuple[float, bool]]] = [[] for _ in contexts]
         for r, (g, cont) in enumerate(zip(rows, flat, strict=True)):
             head = first[g][None]
