@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds a tar.xz of SGLang 0.5.17 and what it needs beyond a CUDA 13 / torch 2.11 machine's packages, small enough
-# to carry to a machine with no network (about 54 MB). Usage: engines/build-sglang-bundle.sh OUT.tar.xz [LIST]
+# to carry to a machine with no network (about 54 MB), every file checked against the sha256 its list pins.
+# Usage: engines/build-sglang-bundle.sh OUT.tar.xz [LIST]
 # LIST (default engines/sglang-gpu-wheels.txt) may name another set, e.g. engines/eval-client-gpu-wheels.txt (4 MB), the
 # client `quantkit eval --engine sglang` runs there; unpack both into the same site.
 # There: mkdir site && tar -C site -xJf OUT.tar.xz, then PYTHONPATH=site (first: it shadows the machine's transformers
