@@ -74,6 +74,8 @@ def option_bytes(option: str, shape: tuple[int, int], symmetric: bool = True) ->
         # packed nibbles, bf16 scales, int64[2] weight_shape
         return out * inn // 2 + out * (inn // group) * 2 + 16 + zero_points
     if option == "fp8":
+        if inn % 128:  # SGLang's block-FP8 Linear quantizes its input in groups of 128 (verify's rule): it cannot run
+            return None
         return out * inn + math.ceil(out / 128) * math.ceil(inn / 128) * 4  # fp32 scale per 128x128 block
     return out * inn * 2
 

@@ -584,8 +584,10 @@ def demo_cmd(
         if r.published:
             out.print(f"[green]published[/] {_t(r.published)} (model card: {_t(Path(r.published) / 'README.md')}); "
                       f"report {_t(r.report)}")
-        else:
+        elif r.report:
             out.print(f"[red]not published[/]: the gate failed; report {_t(r.report)}")
+        else:
+            out.print(f"[red]not published[/]: {_t(r.stopped or '')}", highlight=False)
     out.print(f"done in {result.seconds:.0f}s")
 
 

@@ -102,3 +102,11 @@ def test_cli_prints_the_table_and_writes_the_recipe(sensitive_layer, tmp_path):
                                  "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "layer 2 mlp" in r.output and "wrote" in r.output
+
+
+def test_fp8_is_offered_only_where_the_engine_can_run_it():
+    """SGLang's block-FP8 Linear quantizes its input in groups of 128 (verify's rule, seen failing on SGLang 0.5.17
+    with SmolLM2's 576-wide MLP input): such a Linear is offered INT4 or BF16, never FP8."""
+    assert option_bytes("fp8", (1536, 576)) is None  # gate/up_proj of SmolLM2: input 576
+    assert option_bytes("fp8", (576, 1536)) == 576 * 1536 + 5 * 12 * 4  # down_proj: input 1536, whole groups
+    assert option_bytes("bf16", (1536, 576)) == 1536 * 576 * 2

@@ -127,6 +127,9 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
     ignore, extra = engine_names(rec, ckpt.config, linear_groups(plan))
     groups = {name: CTScheme.model_validate(dict(s.model_dump(mode="json"), targets=s.targets + extra.get(name, [])))
               for name, s in rec.config.config_groups.items() if name in plan.weights_by_group}
+    block = next((n for n, s in groups.items() if s.weights and s.weights.block_structure), None)
+    if block:  # SGLang reads the block size of fused Linears' FP8 scales from the group targeting Linear
+        groups[block] = groups[block].model_copy(update={"targets": [*groups[block].targets, "Linear"]})
     kv = rec.config.kv_cache_scheme
     # the checkpoint's format: the one its groups use, or mixed-precision (compressed-tensors' name) when they differ
     formats = {scheme.format for scheme in groups.values()}

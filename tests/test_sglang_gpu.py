@@ -189,17 +189,26 @@ def test_sglang_reads_the_calibrated_kv_scales_where_its_version_does(sglang_cmd
 @pytest.fixture(scope="module")
 def smollm2_gpu(tmp_path_factory):
     """The real SmolLM2-135M (BF16, rebuilt from the GGUF of the PyPI wheel: carry it into QUANTKIT_CACHE/smollm2 where
-    there is no network) and quantkit's MLP INT4 of it, converted on the GPU as a user converts."""
+    there is no network), quantkit's MLP INT4 of it, and the demo's other releases made from its block-FP8 form as the
+    demo makes them (the MLP kept block-FP8; budget's mix of INT4 and FP8 MLPs), all converted on the GPU."""
+    from quantkit.budget import budget
     from quantkit.convert import convert
-    from quantkit.examples.smollm2 import smollm2_checkpoint
+    from quantkit.examples.demo import BUDGET
+    from quantkit.examples.smollm2 import block_fp8_release, smollm2_checkpoint
 
     root = tmp_path_factory.mktemp("smollm2")
     source = smollm2_checkpoint(root / "bf16")
     convert(source, root / "mlp", "dense-mlp-w4a16-g32", device="cuda")
-    return {"source": source, "dense-mlp-w4a16-g32": root / "mlp"}
+    fp8 = block_fp8_release(source, root / "fp8-release")
+    convert(fp8, root / "demo-fp8", "dense-mlp-fp8-block", device="cuda")
+    budget(fp8, recipe="dense-mlp-w4a16-g32", size=BUDGET, out=root / "budget.yaml", samples=4, seq_len=256,
+           device="cuda")
+    convert(fp8, root / "demo-budget", root / "budget.yaml", device="cuda")
+    return {"source": source, "dense-mlp-w4a16-g32": root / "mlp", "demo-fp8": root / "demo-fp8",
+            "demo-budget": root / "demo-budget"}
 
 
-@pytest.mark.parametrize("model", ["source", "dense-mlp-w4a16-g32"])
+@pytest.mark.parametrize("model", ["source", "dense-mlp-w4a16-g32", "demo-fp8", "demo-budget"])
 def test_quantkit_eval_on_sglang_scores_as_the_hf_engine_on_the_gpu(sglang_cmd, smollm2_gpu, model, tmp_path):
     """What a user runs: ``quantkit eval --engine sglang`` (lm-eval's completions client; log-likelihoods through
     ``echo`` + ``logprobs``) on SmolLM2 and its INT4 release, beside ``--engine hf`` on the same GPU, item by item."""

@@ -131,6 +131,26 @@ def test_mixed_precision_passes_for_both_engines(synthetic, tmp_path):
         assert verify(tmp_path / "out", engine=engine, source=synthetic["glm_moe_dsa"]).passed, engine
 
 
+@pytest.mark.parametrize("family, recipe", [("llama", "dense-mlp-fp8-block"), ("glm_moe_dsa", "glm5-int4-experts-g128-fp8")])
+def test_sglang_needs_a_linear_target_with_the_block_for_fused_block_fp8_scales(synthetic, tmp_path, family, recipe):
+    """SGLang loads a fused Linear's block-FP8 scales with the block of the group targeting the class Linear; SGLang
+    0.5.17 failed to load the demo's FP8 release, whose FP8 group named its modules by regex only."""
+    out = tmp_path / "out"
+    convert(synthetic[family], out, recipe, device="cpu")
+    config = json.loads((out / "config.json").read_text())
+    fp8 = [g for g in config["quantization_config"]["config_groups"].values() if g["weights"]["block_structure"]]
+    assert [g["targets"][-1] for g in fp8] == ["Linear"]
+    assert verify(out, engine="sglang", smoke=False).passed
+    fp8[0]["targets"].remove("Linear")  # as convert wrote it before
+    (out / "config.json").write_text(json.dumps(config))
+    report = verify(out, engine="sglang", smoke=False)
+    found = [f for f in report.findings if "block-FP8 scales load shard by shard" in f.rule]
+    fused = ("gate_up_proj",) if family == "llama" else ("gate_up_proj", "fused_qkv_a_proj_with_mqa")
+    assert {f.rule.split("'s ")[0].rsplit(".", 1)[-1] for f in found} == set(fused), report.findings
+    assert "'NoneType' object is not subscriptable" in found[0].message
+    assert verify(out, engine="vllm", smoke=False).passed  # vLLM keeps each layer's own block size
+
+
 def test_missing_expert_and_stray_tensor(synthetic, glm_out):
     stray = EXPERT.replace("experts.3", "experts.99")
     path = shard_of(glm_out, f"{EXPERT}.weight_packed")

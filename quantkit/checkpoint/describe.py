@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.formats.quant_config import match_name
 from quantkit.formats.recipe import WRITTEN_FORMAT, Recipe
 
 
@@ -46,10 +45,9 @@ def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
             if stored != "float":
                 found.append(Mismatch(name, f"{stored} tensor that no quantization_config group describes"))
             continue
-        others = [g for g, scheme in described.config.config_groups.items() if g != match[0] and _targets(scheme,
-                                                                                                          module)]
+        others = described.groups_for(module, True)[1:]
         if others:
-            found.append(Mismatch(name, f"matched by groups {match[0]} and {others[0]}: engines resolve overlaps "
+            found.append(Mismatch(name, f"matched by groups {match[0]} and {others[0][0]}: engines resolve overlaps "
                                         f"differently"))
         weights = match[1].weights
         int4 = weights is not None and weights.type == "int" and weights.num_bits == 4
@@ -64,6 +62,3 @@ def config_mismatches(ckpt: Checkpoint) -> list[Mismatch]:
             found.append(Mismatch(name, f"group {match[0]} names format {named!r}; the tensor is stored {written}"))
     return found
 
-
-def _targets(scheme, module: str) -> bool:
-    return any(t == "Linear" or match_name(module, t) for t in scheme.targets)

@@ -101,9 +101,13 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: dic
 
     Only groups that quantized something are kept, so the config describes exactly the
     quantized tensors the checkpoint holds; the format is the single one used, or
-    ``mixed-precision`` when groups differ. The JSON is formats/quant_config.py's, which
-    tests/test_quant_config.py holds equal to compressed-tensors' own dump of the same config
-    (importing compressed-tensors would add seconds of transformers imports to every conversion).
+    ``mixed-precision`` when groups differ. A block-FP8 group also targets the class ``Linear``: SGLang loads a fused
+    Linear's block-FP8 scales with the block of the group that targets ``Linear`` and no other (0.5.23
+    ``compressed_tensors.py:273-279``, ``linear.py:1051-1053``; 0.5.17 failed to load ``gate_up_proj`` without one).
+    Exact names and regexes match before a class in SGLang, vLLM and compressed-tensors, and every Linear no group
+    quantizes is ignored by name, so the class target gives no module another scheme. The JSON is
+    formats/quant_config.py's, which tests/test_quant_config.py holds equal to compressed-tensors' own dump of the same
+    config (importing compressed-tensors would add seconds of transformers imports to every conversion).
     """
     from importlib.metadata import version
 
@@ -114,6 +118,9 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: dic
     ignore, targets = engine_names(recipe, config, linear_groups(plan))
     groups = {name: scheme.model_copy(update={"targets": scheme.targets + targets[name]}) if targets.get(name)
               else scheme for name, scheme in groups.items()}
+    block_fp8 = next((n for n, scheme in groups.items() if scheme.weights and scheme.weights.block_structure), None)
+    if block_fp8 is not None:
+        groups[block_fp8] = groups[block_fp8].model_copy(update={"targets": [*groups[block_fp8].targets, "Linear"]})
     written = recipe.config.model_copy(update={"config_groups": groups, "ignore": ignore,
                                                "quantization_status": "compressed", "format": fmt})
     return {"version": version("compressed-tensors"), "quant_method": "compressed-tensors",

@@ -111,13 +111,14 @@ class Recipe:
         return data if data.is_absolute() or self.path is None else self.path.parent / data
 
     def groups_for(self, module: str, is_linear: bool) -> list[tuple[str, QuantizationScheme]]:
-        """Every config group that targets ``module`` (none when ``ignore`` does): a recipe is
-        only unambiguous when this has at most one entry."""
+        """Every config group that targets ``module`` at the first level that matches it (none when ``ignore``
+        does): a name or regex before the class ``Linear``, as compressed-tensors (``match_targets``), SGLang and
+        vLLM (``find_matched_target``) all match. A recipe is only unambiguous when this has at most one entry."""
         ignored, groups = self._matchers
         if ignored(module):
             return []
-        return [(name, scheme) for name, scheme, linear, targeted in groups
-                if (linear and is_linear) or targeted(module)]
+        named = [(name, scheme) for name, scheme, _, targeted in groups if targeted(module)]
+        return named or [(name, scheme) for name, scheme, linear, _ in groups if linear and is_linear]
 
     @cached_property
     def _matchers(self) -> tuple[Callable[[str], object], list[tuple[str, QuantizationScheme, bool, Callable]]]:

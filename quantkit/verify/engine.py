@@ -110,7 +110,48 @@ def schemes_chosen(ckpt: Checkpoint, stored: dict[str, Stored], engine: str, tp:
                 found.append(Finding("engine", f"tp={tp}: {module.name}'s block-FP8 partitions are whole blocks "
                                      f"({engine} {matching.version} {_FP8_BLOCK_SOURCE[engine]})", problem,
                                      module.members[0], _file(ckpt, module.members[0])))
+            problem = sglang_activation_problem(module, stored, block, tp) if block and engine == "sglang" else None
+            if problem:
+                found.append(Finding("engine", f"tp={tp}: {module.name}'s input splits into whole activation "
+                                     f"groups ({engine} {matching.version} {_SGLANG_ACT_GROUP_SOURCE})", problem,
+                                     module.members[0], _file(ckpt, module.members[0])))
+            if block and engine == "sglang" and len(module.members) > 1 and not sglang_block_size(groups):
+                found.append(Finding("engine", f"{module.name}'s block-FP8 scales load shard by shard ({engine} "
+                                     f"{matching.version} {_SGLANG_BLOCK_SIZE_SOURCE})", _NO_LINEAR_BLOCK,
+                                     module.members[0], _file(ckpt, module.members[0])))
     return found
+
+
+# SGLang loads a fused Linear's block-FP8 scales (merged gate/up, q/k/v) with the block size of the config group
+# that targets the class "Linear" (its CompressedTensorsConfig.weight_block_size), whatever group quantized them
+_SGLANG_BLOCK_SIZE_SOURCE = ("sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py:273-279, "
+                             "sglang/srt/layers/linear.py:1051-1053, 1310-1312")
+_NO_LINEAR_BLOCK = ("no config group targets the class Linear with a block_structure, where the engine reads the "
+                    "block size: it fails at load (\"'NoneType' object is not subscriptable\", SGLang 0.5.17 on an "
+                    "H200)")
+
+
+# SGLang's block-FP8 Linear quantizes its input per token in groups of block_k and asserts they divide the input
+_SGLANG_ACT_GROUP_SOURCE = ("sglang/srt/layers/quantization/fp8_utils.py:1805-1811 (triton_w8a8_block_fp8_linear) -> "
+                            "sglang/kernels/ops/quantization/fp8_kernel.py:502-504")
+
+
+def sglang_activation_problem(module, stored: dict[str, Stored], block: list[int], tp: int) -> str | None:
+    """The input a block-FP8 Linear gets per rank (split where row-parallel) is whole groups of block_k."""
+    first = stored[module.members[0]]
+    k = first.in_features // tp if module.class_name == "RowParallelLinear" else first.in_features
+    if k % block[1]:
+        return (f"input {k} per rank is not a multiple of block_k {block[1]}: the engine quantizes each token's input "
+                "in groups of block_k and fails at the first forward (\"the last dimension of `x` cannot be divisible "
+                "by `group_size`\", SGLang 0.5.17 on an H200)")
+    return None
+
+
+def sglang_block_size(groups: dict) -> list | None:
+    """The block size SGLang loads block-FP8 scales of fused Linears with: that of the last group (its scheme map is
+    keyed by target) that targets ``Linear``."""
+    linear = [g for g in groups.values() if "Linear" in (g.get("targets") or [])]
+    return ((linear[-1].get("weights") or {}).get("block_structure")) if linear else None
 
 
 # validate_fp8_block_shape, the same text in both engines, called when a block-FP8 Linear is created
