@@ -67,7 +67,8 @@ def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_b
 
     # The block-FP8 release is what SGLang cannot run on this model (SGLang 0.5.17 failed at its first forward): verify
     # stops it before any evaluation, and the demo says why.
-    assert not (work / "release-fp8" / "gate").exists() and not (work / "published" / "smollm2-135m-fp8-fp8kv").exists()
+    assert not (work / "release-fp8" / "gate" / "verdict.json").exists()
+    assert not (work / "published" / "smollm2-135m-fp8-fp8kv").exists()
     assert "not published: release stopped at stage verify" in " ".join(result.output.split())
     findings = json.loads((work / "release-fp8" / "verify.json").read_text())["findings"]
     assert {f["tensor"].rsplit(".", 1)[-1] for f in findings} == {"gate_proj"}  # 30 fused gate_up_proj, 576 wide

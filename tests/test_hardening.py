@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from quantkit.checkpoint.writer import folder_lock, write_safetensors
 from quantkit.cli import app
 from quantkit.convert import convert
+from quantkit.verify import verify
 
 runner = CliRunner()
 EXPERT = "model.layers.2.mlp.experts.3.up_proj"
@@ -321,7 +322,7 @@ RECIPE = """quant_stage:
 @pytest.mark.parametrize("targets, ignore, more, message", [
     (["Linaer"], ["lm_head"], "", "group group_0 (targets ['Linaer']) matches no weight"),
     (["Linear"], ["re:.*"], "", "group group_0 (targets ['Linear']) matches no weight"),
-    (["Linear"], ["lm_head"], "        group_1:\n          targets: ['re:.*mlp.*']\n"
+    (["re:.*_proj$"], ["lm_head"], "        group_1:\n          targets: ['re:.*mlp.*']\n"
      "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n",
      "recipe groups group_0 and group_1 both target this module"),
     (["re:(unclosed"], [], "", "bad regex"),
@@ -440,9 +441,27 @@ def test_overlapping_groups_are_refused_for_an_int4_source_too(synthetic, tmp_pa
     int4 = tmp_path / "int4"
     convert(synthetic["llama"], int4, "dense-w4a16-g128", device="cpu")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(targets=json.dumps(["Linear"]), ignore=json.dumps(["lm_head"]),
+    recipe.write_text(RECIPE.format(targets=json.dumps(["re:.*_proj$"]), ignore=json.dumps(["lm_head"]),
                                     more="        group_1:\n          targets: ['re:.*mlp.*']\n"
                                          "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
                                          "group_size: 32}\n"))
     r = quantkit("convert", int4, tmp_path / "dst", "-r", recipe, "--device", "cpu")
     one_line_error(r, "recipe groups group_0 and group_1 both target this module", "weight_packed")
+
+
+def test_a_name_or_regex_group_wins_over_a_linear_group_as_in_every_engine(synthetic, tmp_path):
+    """compressed-tensors (match_targets), SGLang and vLLM (find_matched_target) all give a module the group naming
+    it before the group targeting its class: no ambiguity, so no refusal, and the engines read what was written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(targets=json.dumps(["Linear"]), ignore=json.dumps(["lm_head"]),
+                                    more="        group_1:\n          targets: ['re:.*mlp.*']\n"
+                                         "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
+                                         "group_size: 128}\n").replace("group_size: 32", "group_size: 64"))
+    convert(synthetic["llama"], tmp_path / "dst", recipe, device="cpu")
+    shapes = {n: t.shape for f in sorted((tmp_path / "dst").glob("*.safetensors")) for n, t in load_file(f).items()
+              if n.endswith("weight_scale")}
+    hidden = shapes["model.layers.0.self_attn.q_proj.weight_scale"][1] * 64
+    assert shapes["model.layers.0.mlp.gate_proj.weight_scale"][1] == hidden // 128  # group_1, by its regex
+    assert shapes["model.layers.0.self_attn.o_proj.weight_scale"][1] == hidden // 64  # group_0, by its class
+    for engine in ("sglang", "vllm"):
+        assert verify(tmp_path / "dst", engine=engine, smoke=False).passed, engine

@@ -324,8 +324,10 @@ def _int4_source_action(module, params, ckpt, recipe, source_ct, dtype) -> Actio
 
 def _recipe_group(recipe: Recipe, module: str, is_linear: bool, ckpt: Checkpoint,
                   weight: TensorInfo) -> tuple[str, QuantizationScheme] | None:
-    """The one recipe group that targets ``module``, or None; two groups claiming it are refused
-    (engines disagree on which one wins: compressed-tensors the first, vLLM the most specific)."""
+    """The one recipe group that targets ``module``, or None. A group naming it (exact name or regex) wins over one
+    targeting its class, as in compressed-tensors, SGLang and vLLM; two groups claiming it at the same level are
+    refused (the engines take the first in different orders: compressed-tensors sorts targets, SGLang keeps the
+    config's)."""
     matches = recipe.groups_for(module, is_linear)
     if len(matches) > 1:
         raise QuantkitError(f"recipe groups {matches[0][0]} and {matches[1][0]} both target this module; "
