@@ -10,7 +10,10 @@ which ``verify --engine sglang`` refuses (no Marlin tile fits its fused q/k/v), 
 Synthetic DeepSeek-V3 and GLM-5 checkpoints (the releases' layout, routed experts INT4) are compared with quantkit's own
 decoding of them in the transformers class. Served with ``--kv-cache-dtype fp8_e4m3``, the checkpoint with its
 calibrated KV scales multiplied by 16 answers differently from the one with quantkit's scales where the SGLang
-version reads compressed-tensors KV scales, and identically (both 1.0) where it does not.
+version reads compressed-tensors KV scales, and identically (both 1.0) where it does not. The real SmolLM2 (its GGUF in
+``QUANTKIT_CACHE/smollm2``, carried where there is no network) and quantkit's releases of it are scored through
+``quantkit eval --engine sglang`` beside ``--engine hf`` on the same GPU, item by item; the client needs
+engines/eval-client-gpu-wheels.txt's bundle there (docs/verify.md).
 """
 
 from __future__ import annotations
