@@ -138,13 +138,18 @@ _SGLANG_ACT_GROUP_SOURCE = ("sglang/srt/layers/quantization/fp8_utils.py:1805-18
 
 def sglang_activation_problem(module, stored: dict[str, Stored], block: list[int], tp: int) -> str | None:
     """The input a block-FP8 Linear gets per rank (split where row-parallel) is whole groups of block_k."""
-    first = stored[module.members[0]]
-    k = first.in_features // tp if module.class_name == "RowParallelLinear" else first.in_features
+    k = _input_per_rank(module, stored, tp)
     if k % block[1]:
         return (f"input {k} per rank is not a multiple of block_k {block[1]}: the engine quantizes each token's input "
                 "in groups of block_k and fails at the first forward (\"the last dimension of `x` cannot be divisible "
                 "by `group_size`\", SGLang 0.5.17 on an H200)")
     return None
+
+
+def _input_per_rank(module, stored: dict[str, Stored], tp: int) -> int:
+    """A Linear's input width on each rank: split across ranks where row-parallel, whole where column-parallel."""
+    width = stored[module.members[0]].in_features
+    return width // tp if module.class_name == "RowParallelLinear" else width
 
 
 def sglang_block_size(groups: dict) -> list | None:
@@ -172,10 +177,10 @@ def fp8_block_problem(module, stored: dict[str, Stored], block: list[int], tp: i
     block_n, block_k = block
     members = sorted(module.members, key=lambda m: _MEMBER_ORDER.index(m.rsplit(".", 1)[-1])
                      if m.rsplit(".", 1)[-1] in _MEMBER_ORDER else 0)
-    first = stored[members[0]]
     row_parallel = module.class_name == "RowParallelLinear"
-    if tp > 1 and row_parallel and (first.in_features // tp) % block_k:
-        return f"input per rank {first.in_features // tp} is not a multiple of block_k {block_k}"
+    k = _input_per_rank(module, stored, tp)  # the members of a fused Linear share its input
+    if tp > 1 and row_parallel and k % block_k:
+        return f"input per rank {k} is not a multiple of block_k {block_k}"
     sizes = [stored[m].out_features // (tp if not row_parallel else 1) for m in members]
     split = tp > 1 and not row_parallel
     checked = sizes if split else sizes[:-1]
@@ -195,9 +200,8 @@ def marlin_problem(module, stored: dict[str, Stored], tp: int) -> str | None:
         hidden, inter = down.out_features, down.in_features // tp
         gemms = [("gate_up", hidden, 2 * inter), ("down", inter, hidden)]
     else:
-        first = stored[module.members[0]]
         row_parallel = module.class_name == "RowParallelLinear"
-        k = first.in_features // tp if row_parallel else first.in_features
+        k = _input_per_rank(module, stored, tp)
         n = sum(stored[m].out_features for m in module.members) // (1 if row_parallel else tp)
         gemms = [(module.name.rsplit(".", 1)[-1], k, n)]
     for what, k, n in gemms:
