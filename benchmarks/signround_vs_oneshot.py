@@ -79,22 +79,27 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def dequantized(t: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     q = int4.unpack_int4(t[f"{module}.weight_packed"], tuple(t[f"{module}.weight_shape"].tolist()))
     scale = t[f"{module}.weight_scale"].float()
-    return q.float() * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+    return int4.dequantize_int4(q, scale, q.shape[1] // scale.shape[1])
 
 
-def held_out_kl(source: Path, candidate: Path, tokenizer, device: str, n: int = 32) -> float:
-    """Mean per-token KL(source || candidate) on the first ``n`` GSM8K test answers."""
+def held_out_ids(tokenizer, n: int = 32) -> list[torch.Tensor]:
+    """The first ``n`` GSM8K test questions with their answers, at most 256 tokens each."""
+    rows = [json.loads(line) for line in (evaldata_dir() / "gsm8k" / "test.jsonl").read_text().splitlines()[:n]]
+    return [torch.tensor([tokenizer(r["question"] + " " + r["answer"])["input_ids"][:256]]) for r in rows]
+
+
+def log_probs(folder: Path, ids: list[torch.Tensor], device: str) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    rows = [json.loads(line) for line in (evaldata_dir() / "gsm8k" / "test.jsonl").read_text().splitlines()[:n]]
-    ids = [torch.tensor([tokenizer(r["question"] + " " + r["answer"])["input_ids"][:256]]) for r in rows]
-    logps = []
-    for folder in (source, candidate):
-        net = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-        with torch.no_grad():
-            logps.append([torch.log_softmax(net(x.to(device)).logits.float(), -1) for x in ids])
-    total = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(*logps, strict=True))
-    return total / sum(x.numel() for x in ids)
+    net = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        return [torch.log_softmax(net(x.to(device)).logits.float(), -1) for x in ids]
+
+
+def mean_kl(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> float:
+    """Mean per-token KL(reference || candidate)."""
+    total = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(reference, candidate, strict=True))
+    return total / sum(p.shape[1] for p in reference)
 
 
 def main() -> None:
@@ -123,8 +128,9 @@ def main() -> None:
         w = source[f"{module}.weight"].float()
         errors = [float((dequantized(runs[r], module) - w).norm() / w.norm()) for r in ("ours", "oneshot", "rtn")]
         print(f"| {module} | {same:.3f} | " + " | ".join(f"{e:.4f}" for e in errors) + " |")
-    tokenizer = model_tokenizer(src)
-    kl = {r: held_out_kl(src, work / r, tokenizer, args.device) for r in ("ours", "oneshot", "rtn")}
+    ids = held_out_ids(model_tokenizer(src))
+    reference = log_probs(src, ids, args.device)  # once, for the three candidates
+    kl = {r: mean_kl(reference, log_probs(work / r, ids, args.device)) for r in ("ours", "oneshot", "rtn")}
     print(f"\nheld-out KL to the source, per token: quantkit {kl['ours']:.5f}, oneshot {kl['oneshot']:.5f}, "
           f"RTN {kl['rtn']:.5f} ({args.layers} layers, {args.samples} x {args.seq_len} tokens, {args.iters} iters, "
           f"{args.device})")
