@@ -2,11 +2,12 @@
 settings, on the first layers of a real model: where do they part?
 
     python benchmarks/signround_vs_oneshot.py --model BF16_SMOLLM2 --work /tmp/qk/sr [--layers 2] [--device cpu]
-        [--iters 200] [--samples 64] [--seq-len 256]
+        [--iters 200] [--samples 64] [--seq-len 256] [--base dense-mlp-w4a16-signround-asym-g32]
 
 The model is cut to its first ``--layers`` decoder layers. Both runs take the same token sequences (the recipe's
 default calibration text, tokenized once by quantkit and handed to both as ``input_ids``) and the built-in
-``dense-mlp-w4a16-signround-g32`` recipe with only its data and sizes changed. Prints, per quantized weight, the
+``dense-mlp-w4a16-signround-g32`` recipe (or ``--base``) with only its data and sizes changed; RTN is the base's
+round-to-nearest twin. Prints, per quantized weight, the
 share of packed words equal to oneshot's and each one's relative weight error against the source, and for the cut
 model the mean per-token KL to the source on held-out GSM8K test text: quantkit's, oneshot's and round-to-nearest's.
 """
@@ -45,15 +46,16 @@ def cut(model: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def recipe(work: Path, model: Path, samples: int, seq_len: int, iters: int) -> tuple[Path, list[list[int]]]:
+def recipe(work: Path, model: Path, samples: int, seq_len: int, iters: int, base: str = BASE
+           ) -> tuple[Path, list[list[int]]]:
     """The built-in recipe on token sequences written as input_ids (what both runs read)."""
     batches = calibration_batches(DEFAULT_DATA, "text", samples, seq_len, 1, lambda: model_tokenizer(model), None)
     rows = [b[0].tolist() for b in batches]
     data = work / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    head, _, rest = (recipes_dir() / f"{BASE}.yaml").read_text().partition("quantkit_calibration:\n")
+    head, _, rest = (recipes_dir() / f"{base}.yaml").read_text().partition("quantkit_calibration:\n")
     body = rest[rest.index("quant_stage:"):].replace("iters: 200", f"iters: {iters}")
-    path = work / f"{BASE}.yaml"
+    path = work / f"{base}.yaml"
     path.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {samples}\n  seq_len: {seq_len}\n"
                     f"{body}")
     return path, rows
@@ -79,7 +81,9 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def dequantized(t: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     q = int4.unpack_int4(t[f"{module}.weight_packed"], tuple(t[f"{module}.weight_shape"].tolist()))
     scale = t[f"{module}.weight_scale"].float()
-    return int4.dequantize_int4(q, scale, q.shape[1] // scale.shape[1])
+    zero = t.get(f"{module}.weight_zero_point")
+    zero = None if zero is None else int4.unpack_zero_point(zero, q.shape[0])
+    return int4.dequantize_int4(q, scale, q.shape[1] // scale.shape[1], zero)
 
 
 def held_out_ids(tokenizer, n: int = 32) -> list[torch.Tensor]:
@@ -111,14 +115,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--base", default=BASE, help="a built-in SignRound recipe")
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     src = cut(args.model, work / "src", args.layers)
-    path, rows = recipe(work, src, args.samples, args.seq_len, args.iters)
+    path, rows = recipe(work, src, args.samples, args.seq_len, args.iters, args.base)
     convert(src, work / "ours", path, device=args.device, force=True)
     oneshot_run(src, path, rows, work / "oneshot", args.device)
-    convert(src, work / "rtn", "dense-mlp-w4a16-g32", device="cpu", force=True)
+    convert(src, work / "rtn", args.base.replace("-signround", ""), device="cpu", force=True)
     source = tensors(src)
     runs = {name: tensors(work / name) for name in ("ours", "oneshot", "rtn")}
     print("| weight | packed words equal to oneshot's | rel. error: quantkit | oneshot | RTN |\n|---|---|---|---|---|")
@@ -132,8 +137,8 @@ def main() -> None:
     reference = log_probs(src, ids, args.device)  # once, for the three candidates
     kl = {r: mean_kl(reference, log_probs(work / r, ids, args.device)) for r in ("ours", "oneshot", "rtn")}
     print(f"\nheld-out KL to the source, per token: quantkit {kl['ours']:.5f}, oneshot {kl['oneshot']:.5f}, "
-          f"RTN {kl['rtn']:.5f} ({args.layers} layers, {args.samples} x {args.seq_len} tokens, {args.iters} iters, "
-          f"{args.device})")
+          f"RTN {kl['rtn']:.5f} ({args.base}, {args.layers} layers, {args.samples} x {args.seq_len} tokens, "
+          f"{args.iters} iters, {args.device})")
 
 
 if __name__ == "__main__":

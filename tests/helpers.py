@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantkit.calibration_data import DEFAULT_DATA
 from quantkit.evaluation.run_dir import SampleRecord
@@ -56,8 +58,6 @@ def add_word_tokenizer(model: Path, vocab: int = 512, bpe: bool = False) -> Path
 def gptq_recipe(folder: Path, base: str = "glm5-int4-experts-gptq-g32", samples: int = 4, seq_len: int = 64,
                 vocab: int = 512, seed: int = 0) -> Path:
     """A built-in GPTQ recipe calibrated on ``samples`` random token sequences of ``seq_len`` (fast on any device)."""
-    import torch
-
     from quantkit.packaged import recipes_dir
 
     data = folder / f"calibration-{seed}.jsonl"
@@ -126,3 +126,56 @@ def compare_runs(hf_dir: Path, served_dir: Path, limits: dict[str, int], rel: fl
                 # once (seen on SGLang: gsm8k-2, "" against " 150"; the hf engine gave "" on gsm8k-15)
                 assert b.generation is not None and a.correct == b.correct, (task, item, a.generation, b.generation)
         assert any(r.generation or r.choice_logprobs for r in vl.values()), f"{task}: the server answered nothing"
+
+
+def held_out_batches(model: Path, samples: int = 64, seq_len: int = 256) -> list:
+    """GSM8K *test* questions with their answers (no calibration set holds them), packed into ``samples`` sequences
+    of ``seq_len`` tokens of the model's tokenizer, 8 to a batch."""
+    from quantkit.calibration_data import model_tokenizer, token_batches
+
+    path = evaldata_dir() / "gsm8k" / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    texts = [f"{r['question']}\n{r['answer']}" for r in rows]
+    return token_batches(model_tokenizer(model), texts, samples, seq_len, 8, path, require_all=True)
+
+
+def loaded(folder: Path, device: str):
+    """A checkpoint as transformers loads it, computing in fp32: compressed-tensors decompresses INT4 weights into
+    dense ones (left compressed, a Linear has no ``weight`` outside its model's own forward)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
+    extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).to(device).eval()
+
+
+def perplexity(folder: Path, batches: list, device: str) -> float:
+    model, total, count = loaded(folder, device), 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = batch.to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
+                                                             reduction="sum"))
+            count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def mlp_output_errors(source: Path, candidate: Path, batches: list, device: str) -> list[float]:
+    """Per decoder layer, the relative error of the candidate's MLP output against the source's, each fed the
+    source's own inputs to that MLP: what the quantized weights do to the output they make, layer by layer."""
+    src, cand = loaded(source, device), loaded(candidate, device)
+    pairs: list[list] = [[] for _ in src.model.layers]
+    hooks = [layer.mlp.register_forward_hook(lambda _m, args, out, i=i: pairs[i].append((args[0], out)))
+             for i, layer in enumerate(src.model.layers)]
+    errors = []
+    with torch.no_grad():
+        for batch in batches:
+            src(input_ids=batch.to(device), use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        for layer, seen in zip(cand.model.layers, pairs, strict=True):
+            num = sum(float((layer.mlp(x) - want).square().sum()) for x, want in seen)
+            den = sum(float(want.square().sum()) for _, want in seen)
+            errors.append((num / den) ** 0.5)
+    return errors

@@ -59,7 +59,7 @@ def test_first_matching_group_wins_and_ignore_beats_targets():
         ("AWQModifier:\n  scheme: W4A16\n", "AWQModifier is not implemented"),
         ("GPTQModifier:\n  scheme: W4A16\n  actorder: group\n", "actorder 'group': only static or none"),
         ("GPTQModifier:\n  scheme: W8A8\n", "8-bit int is not a format quantkit writes"),
-        ("GPTQModifier:\n  scheme: W4A16_ASYM\n", "INT4 symmetric group/channel weights only"),
+        ("GPTQModifier:\n  scheme: W4A16_ASYM\n", "GPTQ writes symmetric INT4 only"),
         ("quantkit_calibration: {samples: 0}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: samples"),
         ("quantkit_calibration: {experts: some}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: experts"),
         ("quantkit_calibration: {sample: 3}\nGPTQModifier:\n  scheme: W4A16\n", "quantkit_calibration: sample"),

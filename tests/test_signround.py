@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tree_bytes
-from helpers import add_word_tokenizer, first_layers
+from helpers import add_word_tokenizer, first_layers, held_out_batches, mlp_output_errors, perplexity
 from safetensors.torch import load_file
 
+from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
+from quantkit.formats import int4
 from quantkit.formats.recipe import load_recipe
 from quantkit.packaged import recipes_dir
 
+SHIPPED = "dense-mlp-w4a16-signround-g32"
 
 def signround_recipe(folder: Path, samples=4, seq_len=64, iters=4, batch_size=2, base="dense-mlp-w4a16-signround-g32",
                      seed=0) -> Path:
@@ -134,7 +137,57 @@ def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path)
     assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
 
 
-def test_moe_experts_and_asymmetric_groups_are_refused_before_anything_is_written(synthetic, tmp_path):
+def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monkeypatch):
+    """symmetric: false tunes a zero point per group with the rounding. The weights quantkit writes dequantize to
+    AutoRound's own tuned weights, with oneshot's scales. oneshot itself (llm-compressor 0.14) hands compressed-tensors
+    only AutoRound's scales: its zero points stay 0 and a group whose AutoRound zero point is not 8 is clamped at one
+    end. The day the peer keeps them, its output should equal quantkit's, and this test says so."""
+    import quantkit.convert.signround as signround
+
+    tuned = {}
+    real = signround.llmcompressor_autoround
+
+    def recording():
+        modifier, state, disable, quantize = real()
+
+        def spy(x, scale, zero_point, args, dtype):  # x: AutoRound's tuned (quantized-dequantized) weight
+            tuned[len(tuned)] = x.clone()
+            return quantize(x=x, scale=scale, zero_point=zero_point, args=args, dtype=dtype)
+        return modifier, state, disable, spy
+
+    monkeypatch.setattr(signround, "llmcompressor_autoround", recording)
+    recipe = signround_recipe(tmp_path, base="dense-mlp-w4a16-signround-asym-g32")
+    result = convert(llama, tmp_path / "ours", recipe, device="cpu")
+    assert result.gptq["weights_by_method"] == {"signround": 9}
+    mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
+    theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
+    modules = sorted(n.removesuffix(".weight_packed") for n in mine if n.endswith(".weight_packed"))
+    assert len(modules) == len(tuned) == 9
+
+    def autorounds(weight: torch.Tensor) -> bool:  # one of AutoRound's tuned weights, up to the scale's BF16 rounding
+        return any(w.shape == weight.shape and torch.allclose(weight, w.float(), rtol=2**-8, atol=0)
+                   for w in tuned.values())
+
+    for module in modules:
+        assert torch.equal(mine[f"{module}.weight_scale"], theirs[f"{module}.weight_scale"]), module
+        assert autorounds(_dequantized(mine, module)), module
+        assert not int4.unpack_zero_point(theirs[f"{module}.weight_zero_point"], 1 << 16).any()  # all 0
+        assert not autorounds(_dequantized(theirs, module)), module  # clamped where AutoRound's zero point is not 8
+    rtn = convert(llama, tmp_path / "rtn", "dense-mlp-w4a16-asym-g32", device="cpu")
+    assert rtn.output_bytes == result.output_bytes
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]
+    assert written == json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"]
+
+
+def _dequantized(tensors: dict, module: str) -> torch.Tensor:
+    out, inn = tensors[f"{module}.weight_shape"].tolist()
+    scale = tensors[f"{module}.weight_scale"].float()
+    zero = int4.unpack_zero_point(tensors[f"{module}.weight_zero_point"], out)
+    return int4.dequantize_int4(int4.unpack_int4(tensors[f"{module}.weight_packed"], (out, inn)), scale,
+                                inn // scale.shape[1], zero)
+
+
+def test_moe_experts_are_refused_before_anything_is_written(synthetic, tmp_path):
     base = (recipes_dir() / "glm5-int4-experts-gptq-g32.yaml").read_text()
     moe = tmp_path / "moe.yaml"
     moe.write_text(base.replace("GPTQModifier:", "AutoRoundModifier:").replace("      block_size: 128\n", "")
@@ -142,11 +195,6 @@ def test_moe_experts_and_asymmetric_groups_are_refused_before_anything_is_writte
     with pytest.raises(QuantkitError, match="SignRound reaches Linear modules only"):
         convert(synthetic["glm_moe_dsa"], tmp_path / "out", moe, device="cpu")
     assert not (tmp_path / "out").exists()
-    asym = tmp_path / "asym.yaml"
-    asym.write_text((recipes_dir() / "dense-mlp-w4a16-signround-g32.yaml").read_text()
-                    .replace("symmetric: true", "symmetric: false"))
-    with pytest.raises(QuantkitError, match="AutoRoundModifier group mlp: .* symmetric"):
-        load_recipe(asym)
 
 
 def test_recipe_settings_are_the_modifiers(tmp_path):
@@ -198,3 +246,54 @@ def test_autoround_leaves_alone_what_the_recipe_does_not_quantize(llama, tmp_pat
     convert(llama, tmp_path / "ours", signround_recipe(tmp_path, iters=1), device="cpu")
     attention = {f"self_attn.{p}_proj" for p in "qkvo"}
     assert told == [attention] * 3
+
+
+def users_oneshot(model: Path, recipe: Path, rows: list[list[int]], out: Path, device: str) -> None:
+    """llm-compressor's oneshot as its users run it: the model on DEVICE, the recipe file as written, these token
+    sequences in this order; saved compressed."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
+    data = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+    oneshot(model=net, dataset=data, recipe=str(recipe), num_calibration_samples=len(rows), max_seq_length=len(rows[0]),
+            shuffle_calibration_samples=False, batch_size=1, pipeline="sequential")
+    net.save_pretrained(out, save_compressed=True)
+    model_tokenizer(model).save_pretrained(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+def test_the_shipped_recipe_on_a_gpu_is_as_good_as_llm_compressors_oneshot(smollm2_bf16, tmp_path):
+    """What users run: the shipped recipe at its own settings (200 steps per layer, 64 x 256 tokens) on all 30 layers
+    of the real SmolLM2 on a GPU, beside llm-compressor's oneshot with the same recipe file and tokens. Scored on
+    held-out GSM8K test text by transformers' own loading: perplexity within 1 % of oneshot's (the code before
+    81bbc26 measured 7.40 against oneshot's 6.42), and per layer the MLP's output error no worse than oneshot's by
+    more than oneshot's own run-to-run spread (measured: oneshot again on the first 4 layers with the calibration
+    sequences in reverse order, which changes the batches AutoRound draws)."""
+    cal = load_recipe(SHIPPED).calibration
+    rows = [b[0].tolist() for b in calibration_batches(DEFAULT_DATA, cal.text_field, cal.samples, cal.seq_len, 1,
+                                                       lambda: model_tokenizer(smollm2_bf16), None, require_all=True)]
+    ours = convert(smollm2_bf16, tmp_path / "ours", SHIPPED, device="cuda")
+    assert ours.gptq["weights_by_method"] == {"signround": 90} and ours.devices == ["cuda:0"]
+    assert ours.gptq["settings"]["iters"] == 200
+    recipe = recipes_dir() / f"{SHIPPED}.yaml"
+    users_oneshot(smollm2_bf16, recipe, rows, tmp_path / "oneshot", "cuda")
+    users_oneshot(first_layers(smollm2_bf16, tmp_path / "cut", 4), recipe, rows[::-1], tmp_path / "again", "cuda")
+    convert(smollm2_bf16, tmp_path / "rtn", "dense-mlp-w4a16-g32", device="cuda")
+    held_out = held_out_batches(smollm2_bf16)
+    ppl = {name: perplexity(smollm2_bf16 if name == "source" else tmp_path / name, held_out, "cuda")
+           for name in ("source", "rtn", "oneshot", "ours")}
+    errors = {name: mlp_output_errors(smollm2_bf16, tmp_path / name, held_out, "cuda") for name in ("ours", "oneshot")}
+    again = mlp_output_errors(tmp_path / "cut", tmp_path / "again", held_out, "cuda")
+    spread = max(abs(a - b) / a for a, b in zip(errors["oneshot"], again))  # the first 4 layers: the cut's
+    print(f"held-out perplexity: {ppl}; RTN damage removed: quantkit "
+          f"{(ppl['rtn'] - ppl['ours']) / (ppl['rtn'] - ppl['source']):.0%}, oneshot "
+          f"{(ppl['rtn'] - ppl['oneshot']) / (ppl['rtn'] - ppl['source']):.0%}; oneshot's spread {spread:.2%}")
+    for i, (mine, theirs) in enumerate(zip(errors["ours"], errors["oneshot"], strict=True)):
+        print(f"layer {i}: MLP output error quantkit {mine:.5f}, oneshot {theirs:.5f}")
+    assert ppl["ours"] <= 1.01 * ppl["oneshot"]
+    worse = [i for i, (mine, theirs) in enumerate(zip(errors["ours"], errors["oneshot"], strict=True))
+             if mine > theirs * (1 + spread)]
+    assert not worse, f"layers {worse}: MLP output error above oneshot's beyond its run-to-run spread ({spread:.2%})"

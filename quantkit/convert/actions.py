@@ -224,13 +224,13 @@ RUNNERS: dict[ActionKind, Callable[[_Step], dict]] = {
 
 
 def _calibrated(action: Action, quantized: dict) -> dict:
-    """A weight GPTQ or SignRound already packed (convert/gptq.py); the shape is the plan's."""
+    """A weight GPTQ or SignRound already packed (convert/gptq.py); the shape is the plan's, and so is the order."""
     import torch
 
     out = dict(quantized)
     packed = out[f"{action.module}.weight_packed"]
     out[f"{action.module}.weight_shape"] = torch.tensor([packed.shape[0], packed.shape[1] * 8], dtype=torch.int64)
-    return out
+    return {o.name: out[o.name] for o in action.outputs}
 
 
 def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint, device: str, stats=None,

@@ -86,7 +86,7 @@ class LayerReport:
 
 @dataclass
 class GPTQResult:
-    """Where each GPTQ-quantized module's packed weight and scale wait for the shard pipeline."""
+    """Where each GPTQ-quantized module's packed weight, scale (and zero point) wait for the shard pipeline."""
 
     files: dict[str, Path] = field(default_factory=dict)  # module -> layer file
     layers: list[LayerReport] = field(default_factory=list)
@@ -97,10 +97,11 @@ class GPTQResult:
         path = self.files[module]
         if path not in reader_cache:
             reader_cache.clear()  # layers are visited in order: one open file at a time
-            reader_cache[path] = safe_open(str(path), framework="pt")
-        f = reader_cache[path]
-        return {f"{module}.weight_packed": f.get_tensor(f"{module}.weight_packed"),
-                f"{module}.weight_scale": f.get_tensor(f"{module}.weight_scale")}
+            f = safe_open(str(path), framework="pt")
+            reader_cache[path] = f, set(f.keys())
+        f, held = reader_cache[path]
+        names = [f"{module}.{p}" for p in ("weight_packed", "weight_scale", "weight_zero_point")]
+        return {n: f.get_tensor(n) for n in names if n in held}  # a zero point: asymmetric SignRound
 
 
 def llmcompressor_gptq():

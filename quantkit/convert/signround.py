@@ -7,7 +7,9 @@ propagation off for AutoRound: each layer sees the full-precision model's hidden
 the layer's rounding and clipping against its full-precision outputs, feeding it the previous layer's quantized
 outputs (``q_input``, which the modifier hands from layer to layer). The INT4 values are then taken from the tuned
 weights and scales with compressed-tensors' own ``quantize``, as llm-compressor does when it saves: the result
-equals llm-compressor's ``oneshot`` with the same recipe and tokens, bit for bit (tests/test_signround.py).
+equals llm-compressor's ``oneshot`` with the same recipe and tokens, bit for bit (tests/test_signround.py), except
+where oneshot loses AutoRound's work: it rounds an MLP recipe's attention while tuning (``leave_unquantized_alone``)
+and drops asymmetric groups' zero points (``_zero_point``).
 
 Only one decoder layer is in memory. A finished layer's packed weights and scales go to
 ``DST/.quantkit-gptq/layer-NNNNN.safetensors`` and into the manifest, with the quantized outputs that the next layer
@@ -160,16 +162,27 @@ def _tune_layer(walk, i, layer, targets, recipe, q_input, device, phases):
                 if scale is None:
                     raise QuantkitError("AutoRound left this weight unquantized (its recipe group and quantkit's "
                                         "plan disagree)", walk.ckpt.root, t.module)
-                zero = getattr(module, "weight_zero_point", None)
+                zero = _zero_point(module)
                 # on the host: AutoRound leaves scales there and weights on the GPU; one IEEE division either way
-                q = quantize(x=module.weight.detach().cpu(), scale=scale.detach().cpu(),
-                             zero_point=None if zero is None else zero.detach().cpu(),
+                q = quantize(x=module.weight.detach().cpu(), scale=scale.detach().cpu(), zero_point=zero,
                              args=module.quantization_scheme.weights, dtype=torch.int8)
                 packed[f"{t.module}.weight_packed"] = int4.pack_int4(q)
                 packed[f"{t.module}.weight_scale"] = scale.detach().to(walk.dtype).cpu()
+                if zero is not None:
+                    packed[f"{t.module}.weight_zero_point"] = int4.pack_zero_point(zero)
         finally:
             modifier.on_calibration_end(state, None)
     return packed, q_input
+
+
+def _zero_point(module) -> torch.Tensor | None:
+    """An asymmetric group's zero points in compressed-tensors' convention (int8, levels -8..7): AutoRound's own,
+    tuned with the rounding (``module.zp``, levels 0..15), less 8. llm-compressor 0.14 hands compressed-tensors only
+    AutoRound's scales (``AutoRoundModifier._postprocess_qparams``), so oneshot keeps its placeholder zero points of 0
+    and clamps every group whose AutoRound zero point is not 8 (tests/test_signround.py)."""
+    if module.quantization_scheme.weights.symmetric:
+        return None
+    return (module.zp.detach().cpu() - 8).round().to(torch.int8)
 
 
 def leave_unquantized_alone(modifier, layer: torch.nn.Module) -> None:

@@ -208,13 +208,16 @@ def _signround_settings(modifier: dict, calibration, path: Path) -> SignRoundSet
 
 
 def _check_calibrated_schemes(kind: str, config: QuantizationConfig, path: Path) -> None:
-    """GPTQ and SignRound here produce the INT4 symmetric pack-quantized format; an activation order in a group is
-    refused like the modifier's."""
+    """GPTQ and SignRound here produce the INT4 pack-quantized format, GPTQ symmetric only (SignRound takes its zero
+    points from AutoRound); an activation order in a group is refused like the modifier's."""
     for name, scheme in config.config_groups.items():
         w = scheme.weights
-        if w is None or w.type != "int" or w.num_bits != 4 or not w.symmetric or w.strategy not in ("group", "channel"):
-            raise QuantkitError(f"{kind} group {name}: quantkit's GPTQ and SignRound write INT4 symmetric "
-                                "group/channel weights only", path)
+        if w is None or w.type != "int" or w.num_bits != 4 or w.strategy not in ("group", "channel"):
+            raise QuantkitError(f"{kind} group {name}: quantkit's GPTQ and SignRound write INT4 group/channel weights "
+                                "only", path)
+        if not w.symmetric and kind == "GPTQModifier":
+            raise QuantkitError(f"{kind} group {name}: quantkit's GPTQ writes symmetric INT4 only (asymmetric: a "
+                                "SignRound or round-to-nearest recipe)", path)
         if w.actorder not in (None, "static"):
             raise QuantkitError(f"{kind} group {name}: actorder {w.actorder!r} is refused (it needs a g_idx)", path)
         # The order is the modifier's processing detail (GPTQSettings.actorder); the written format is the
