@@ -53,7 +53,7 @@ def main() -> None:
     print("| algorithm | device | seconds per layer (median) | phases |\n|---|---|---|---|")
     for name, base in (("GPTQ", "dense-mlp-w4a16-gptq-g32"), ("SignRound", "dense-mlp-w4a16-signround-g32")):
         result = convert(src, work / name, recipe(work, base, data, args.iters), device=args.device, force=True)
-        layers = result.gptq["layers"]
+        layers = result.calibrated["layers"]
         seconds = statistics.median(r["seconds"] for r in layers)
         phases = {k: statistics.median(r["phases"].get(k, 0.0) for r in layers) for k in layers[0]["phases"]}
         shown = ", ".join(f"{k} {v:.2f}s" for k, v in phases.items())

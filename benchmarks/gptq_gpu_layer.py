@@ -113,7 +113,7 @@ def main() -> None:
     layers = []
     t0 = time.perf_counter()
     result = convert(src, work / f"gptq-{args.experts}", recipe, device=args.device, force=(work / f"gptq-{args.experts}").exists(),
-                     on_gptq_layer=lambda r, n: layers.append(r))
+                     on_layer=lambda r, n: layers.append(r))
     gptq_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if not args.no_rtn:
@@ -127,7 +127,7 @@ def main() -> None:
         "layers": [{"layer": r.layer, "seconds": round(r.seconds, 1), "phases": {k: round(v, 1) for k, v in r.phases.items()},
                     "peak_gib": round(r.peak_device_bytes / 2**30, 1), "weights": r.weights, "rtn": r.rtn}
                    for r in layers],
-        "weights_by_method": result.gptq["weights_by_method"],
+        "weights_by_method": result.calibrated["weights_by_method"],
     }, indent=1))
 
 

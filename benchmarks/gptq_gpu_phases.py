@@ -41,8 +41,8 @@ def main() -> None:
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
-    from quantkit.convert.gptq import _accumulate_on_tensor_cores
-    from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+    from quantkit.convert.calibrated.gptq import _accumulate_on_tensor_cores
+    from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
     from quantkit.formats import int4
     from quantkit.formats.quant_config import QuantizationArgs
 

@@ -64,8 +64,8 @@ def main() -> None:
 
     print(json.dumps({"family": args.family, "experts": args.experts, "samples": args.samples,
                       "min_expert_tokens": args.min_expert_tokens,
-                      "weights_by_method": result.gptq["weights_by_method"],
-                      "expert_tokens": result.gptq["expert_tokens"],
+                      "weights_by_method": result.calibrated["weights_by_method"],
+                      "expert_tokens": result.calibrated["expert_tokens"],
                       **{name: [round(e, 3) for e in errors(root / name)] for name in ("rtn", "gptq")}}))
 
 

@@ -57,10 +57,10 @@ def main() -> None:
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM
         from quantkit.checkpoint.reader import open_checkpoint
-        from quantkit.convert import gptq_batches
+        from quantkit.convert import calibration_batches
         from quantkit.formats.recipe import load_recipe
         n, L = {args.samples}, {args.seq_len}
-        batches = gptq_batches(open_checkpoint({str(src)!r}), load_recipe({str(recipe)!r}), None)
+        batches = calibration_batches(open_checkpoint({str(src)!r}), load_recipe({str(recipe)!r}), None)
         order = torch.argsort(torch.tensor([L] * n), descending=True).tolist()
         rows = [None] * n
         for k, j in enumerate(order):

@@ -205,7 +205,7 @@ def convert_cmd(
     with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
         result = convert(src, dst, recipe, device=device, workers=workers, max_shard_size=max_shard_size,
                          resume=resume, force=force, verify_reused=verify_reused, calibration_data=calibration_data,
-                         dtype=dtype, on_progress=on_progress, on_gptq_layer=None if json_out else _GPTQLayerLog())
+                         dtype=dtype, on_progress=on_progress, on_layer=None if json_out else _CalibratedLayerLog())
     if json_out:
         _emit_json(result)
         return
@@ -221,18 +221,19 @@ def convert_cmd(
         out.print(f"  [yellow]not copied[/]: {_t(name)} (a weight file the index does not list)", highlight=False)
     for warning in result.warnings:
         out.print(f"  [yellow]warning[/]: {_t(warning)}", highlight=False)
-    if result.gptq:
-        methods = ", ".join(f"{k} {v}" for k, v in result.gptq["weights_by_method"].items())
-        out.print(f"  {result.gptq['algorithm']}: {methods} weight(s), layers computed in "
-                  f"{result.gptq['computed_in']}; details per weight in DST's quantkit-manifest.json", highlight=False)
-        for reason, n in result.gptq["rtn_reasons"].items():
+    if result.calibrated:
+        methods = ", ".join(f"{k} {v}" for k, v in result.calibrated["weights_by_method"].items())
+        out.print(f"  {result.calibrated['algorithm']}: {methods} weight(s), layers computed in "
+                  f"{result.calibrated['computed_in']}; details per weight in DST's quantkit-manifest.json",
+                  highlight=False)
+        for reason, n in result.calibrated["rtn_reasons"].items():
             out.print(f"  round-to-nearest: {n} x {_t(reason)}", highlight=False)
-        if result.gptq["rtn_outside_calibration"]:
-            out.print(f"  round-to-nearest: {len(result.gptq['rtn_outside_calibration'])} weight(s) outside the "
+        if result.calibrated["rtn_outside_calibration"]:
+            out.print(f"  round-to-nearest: {len(result.calibrated['rtn_outside_calibration'])} weight(s) outside the "
                       "calibration forward (MTP layers)", highlight=False)
 
 
-class _GPTQLayerLog:
+class _CalibratedLayerLog:
     """One line per GPTQ layer on stderr: its time, loss, RTN fallbacks and the ETA of the rest."""
 
     def __init__(self):

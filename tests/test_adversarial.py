@@ -23,6 +23,7 @@ from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.writer import folder_lock
 from quantkit.cli import app
 from quantkit.convert import convert
+from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import RunRecord, cache_binding, evaluate
 from quantkit.evaluation.request_cache import RequestCache
@@ -148,10 +149,13 @@ def test_a_link_at_a_work_subfolder_is_refused_and_nothing_lands_outside(models,
     recipe = gptq_recipe(tmp_path)
     convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu")
     shard = next(dst.glob("model-*.safetensors"))
-    shard.unlink()  # a shard to redo: --resume runs GPTQ again, in DST/.quantkit-gptq
-    (dst / ".quantkit-gptq").symlink_to(outside)
-    with pytest.raises(QuantkitError, match=r"\.quantkit-gptq: is a link: refused"):
+    shard.unlink()  # a shard to redo: --resume runs GPTQ again, in DST/.quantkit-calibrated
+    (dst / WORK_DIR).symlink_to(outside)
+    with pytest.raises(QuantkitError, match=r"\.quantkit-calibrated: is a link: refused"):
         convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu", resume=True)
+    (dst / WORK_DIR).unlink()
+    (dst / LEGACY_WORK_DIR).symlink_to(outside)  # the folder's older name is not followed either
+    convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu", resume=True)
     assert not list(outside.iterdir())
 
 

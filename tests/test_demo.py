@@ -51,7 +51,7 @@ def test_demo_gates_every_candidate_and_publishes_only_those_that_pass(smollm2_b
     assert arc["gptq"]["n"] <= 200 and arc["rtn"]["n"] <= 200  # sequential: decided at a look of 50, 100 or 200 items
     assert {gptq["sequential"]["looks"], int4["sequential"]["looks"]} == {3}
     assert (work / "published" / "smollm2-135m-int4-gptq-fp8kv").exists() == gptq["passed"]
-    assert json.loads((work / "release-int4-gptq" / "model" / "quantkit-manifest.json").read_text())["gptq_modules"]
+    assert json.loads((work / "release-int4-gptq" / "model" / "quantkit-manifest.json").read_text())["calibrated_modules"]
     print(f"demo CI variant: gptq delta {arc['gptq']['delta']:+.2f} ({'pass' if gptq['passed'] else 'fail'}), "
           f"rtn {arc['rtn']['delta']:+.2f}")
 

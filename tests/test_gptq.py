@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint.manifest import load_manifest
 from quantkit.checkpoint.reader import open_checkpoint
-from quantkit.convert import convert, gptq_batches
-from quantkit.convert.gptq import WORK_DIR
+from quantkit.convert import convert, calibration_batches
+from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
 from quantkit.formats.recipe import load_recipe
@@ -78,9 +78,9 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
     recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", samples=samples, seq_len=seq_len)
     # in BF16, as oneshot computes the model it loads in BF16 (auto computes in FP32 on a CPU slow at BF16)
     ours = convert(smollm2_bf16, tmp_path / "ours", recipe, device="cpu", dtype="bf16")
-    assert ours.gptq["weights_by_method"] == {"gptq": 3 * LAYERS} and ours.gptq["computed_in"] == "bfloat16"
+    assert ours.calibrated["weights_by_method"] == {"gptq": 3 * LAYERS} and ours.calibrated["computed_in"] == "bfloat16"
 
-    batches = gptq_batches(open_checkpoint(smollm2_bf16), load_recipe(recipe), None)
+    batches = calibration_batches(open_checkpoint(smollm2_bf16), load_recipe(recipe), None)
     # llm-compressor's LengthAwareSampler visits equal-length samples in torch.argsort(descending=True)'s
     # order, which is not the identity; lay the dataset out so that it visits ours (the Hessians are
     # fp32 sums, so the order of the samples shows in the last bits)
@@ -110,7 +110,7 @@ def test_weights_sharing_a_hessian_quantize_as_llm_compressors_quantize_weight_g
     bit (on a CPU, where both factorize item by item)."""
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-    from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+    from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
     from quantkit.formats import int4
     from quantkit.formats.quant_config import QuantizationArgs
 
@@ -178,8 +178,8 @@ def test_gptq_lowers_every_moe_layers_held_out_error_below_rtn(moe_runs, family)
 def test_an_expert_no_token_reaches_is_handled_as_configured_and_recorded(moe_runs, family):
     run = moe_runs[family]
     expert = f"model.layers.1.mlp.experts.{UNROUTED[1]}"
-    routed = load_manifest(run["routed"]).gptq_modules
-    everyone = load_manifest(run["all"]).gptq_modules
+    routed = load_manifest(run["routed"]).calibrated_modules
+    everyone = load_manifest(run["all"]).calibrated_modules
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert routed[f"{expert}.{proj}"].method == "rtn"
         assert routed[f"{expert}.{proj}"].tokens == 0
@@ -190,7 +190,7 @@ def test_an_expert_no_token_reaches_is_handled_as_configured_and_recorded(moe_ru
     rtn, fell_back = load_all(run["rtn"]), load_all(run["routed"])
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert torch.equal(rtn[f"{expert}.{proj}.weight_packed"], fell_back[f"{expert}.{proj}.weight_packed"])
-    result = run["routed-result"].gptq
+    result = run["routed-result"].calibrated
     assert result["expert_tokens"][expert] == 0
     assert sum(result["expert_tokens"].values()) > 0
     # the MTP layer's experts are outside the forward: RTN, and said so
@@ -232,34 +232,62 @@ def test_resume_after_a_kill_at_any_layer_redoes_no_finished_layer_and_gives_the
 
     dst = tmp_path / "out"
     with pytest.raises(Killed):
-        convert(run["src"], dst, recipe, device="cpu", on_gptq_layer=die_after_first)
+        convert(run["src"], dst, recipe, device="cpu", on_layer=die_after_first)
     assert (dst / WORK_DIR / "layer-00001.safetensors").is_file()
     assert not list(dst.glob("model-*.safetensors"))  # no shard before every layer is quantized
     seen = []
-    convert(run["src"], dst, recipe, device="cpu", resume=True, on_gptq_layer=lambda r, n: seen.append((r.layer, r.reused)))
+    convert(run["src"], dst, recipe, device="cpu", resume=True, on_layer=lambda r, n: seen.append((r.layer, r.reused)))
     assert seen == [(1, True), (2, False)]
     assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(run["all"]) | {"quantkit-manifest.json": b""}
     ours, theirs = load_manifest(dst), load_manifest(run["all"])
-    assert ours.shards == theirs.shards and ours.gptq_modules == theirs.gptq_modules
+    assert ours.shards == theirs.shards and ours.calibrated_modules == theirs.calibrated_modules
+
+
+def test_a_run_an_older_quantkit_started_resumes_with_its_finished_layers(moe_runs, tmp_path):
+    """Before the calibrated walk had one driver, its manifest named the finished layers gptq_layers and
+    gptq_modules (for SignRound too) and kept their files in DST/.quantkit-gptq: such a run still resumes."""
+    run = moe_runs["glm_moe_dsa"]
+
+    class Killed(Exception):
+        pass
+
+    def die_after_first(report, layers):
+        raise Killed
+
+    dst = tmp_path / "out"
+    with pytest.raises(Killed):
+        convert(run["src"], dst, run["all-recipe"], device="cpu", on_layer=die_after_first)
+    (dst / WORK_DIR).rename(dst / LEGACY_WORK_DIR)
+    manifest = (dst / "quantkit-manifest.json").read_text()
+    assert '"calibrated_layers"' in manifest
+    (dst / "quantkit-manifest.json").write_text(manifest.replace('"calibrated_layers"', '"gptq_layers"')
+                                                .replace('"calibrated_modules"', '"gptq_modules"'))
+    seen = []
+    convert(run["src"], dst, run["all-recipe"], device="cpu", resume=True,
+            on_layer=lambda r, n: seen.append((r.layer, r.reused)))
+    assert seen == [(1, True), (2, False)]
+    assert not (dst / LEGACY_WORK_DIR).exists() and not (dst / WORK_DIR).exists()
+    assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(run["all"]) | {"quantkit-manifest.json": b""}
+    assert load_manifest(dst).calibrated_modules == load_manifest(run["all"]).calibrated_modules
 
 
 def test_a_layer_file_that_cannot_be_written_stops_the_run_and_is_not_recorded(moe_runs, tmp_path, monkeypatch):
     """A layer's file is written while the next layer is computed; its failure still stops the run, and only the
     layers whose files are whole are in the manifest (a resume redoes the rest)."""
-    from quantkit.convert import gptq
+    from quantkit.convert.calibrated import walk
 
-    run, real = moe_runs["glm_moe_dsa"], gptq.write_safetensors
+    run, real = moe_runs["glm_moe_dsa"], walk.write_safetensors
 
     def disk_full_at_layer_2(path, tensors, metadata=None):
         if path.name == "layer-00002.safetensors":
             raise OSError(28, "No space left on device", str(path))
         return real(path, tensors, metadata)
 
-    monkeypatch.setattr(gptq, "write_safetensors", disk_full_at_layer_2)
+    monkeypatch.setattr(walk, "write_safetensors", disk_full_at_layer_2)
     dst = tmp_path / "out"
     with pytest.raises(OSError, match="No space left"):
         convert(run["src"], dst, run["all-recipe"], device="cpu")
-    assert list(load_manifest(dst).gptq_layers) == ["1"]
+    assert list(load_manifest(dst).calibrated_layers) == ["1"]
     assert sorted(p.name for p in (dst / WORK_DIR).iterdir()) == ["layer-00001.safetensors"]
 
 
@@ -279,7 +307,7 @@ def test_the_walks_dtype_changes_the_arithmetic_not_the_format_and_a_resume_keep
     data = token_file(tmp_path / "calibration.jsonl", 8, 64, seed=0)
     recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", dataset=data, samples=8, seq_len=64)
     runs = {d: convert(src, tmp_path / d, recipe, device="cpu", dtype=d) for d in ("bf16", "fp32")}
-    assert runs["fp32"].gptq["computed_in"] == "float32" and runs["bf16"].gptq["computed_in"] == "bfloat16"
+    assert runs["fp32"].calibrated["computed_in"] == "float32" and runs["bf16"].calibrated["computed_in"] == "bfloat16"
     assert load_manifest(tmp_path / "fp32").computed_in == "float32"
     assert load_manifest(tmp_path / "bf16").computed_in is None  # the model's own, as every older manifest
     bf16, fp32 = load_all(tmp_path / "bf16"), load_all(tmp_path / "fp32")
@@ -292,7 +320,7 @@ def test_the_walks_dtype_changes_the_arithmetic_not_the_format_and_a_resume_keep
         convert(src, tmp_path / "fp32", recipe, device="cpu", dtype="bf16", resume=True)
     # auto resumed takes what the run started in, whatever a probe would pick now
     again = convert(src, tmp_path / "fp32", recipe, device="cpu", resume=True)
-    assert again.shards_written == 0 and again.gptq["computed_in"] == "float32"
+    assert again.shards_written == 0 and again.calibrated["computed_in"] == "float32"
 
 
 def test_signround_tunes_in_the_models_dtype_only(synthetic, tmp_path):
@@ -313,9 +341,9 @@ def test_layer_files_carry_each_weights_record(moe_runs, tmp_path):
         raise Stop
 
     with pytest.raises(Stop):
-        convert(run["src"], tmp_path / "out", run["routed-recipe"], device="cpu", on_gptq_layer=stop)
+        convert(run["src"], tmp_path / "out", run["routed-recipe"], device="cpu", on_layer=stop)
     with safe_open(str(tmp_path / "out" / WORK_DIR / "layer-00001.safetensors"), framework="pt") as f:
-        records = json.loads(f.metadata()["quantkit_gptq"])
+        records = json.loads(f.metadata()["quantkit_calibrated"])
     assert len(records) == 8 * 3 and seen[0].weights == 24
     assert {r["method"] for r in records.values()} == {"gptq", "rtn"}
 
@@ -375,9 +403,9 @@ def test_convert_json_is_pure_json_on_stdout_in_a_fresh_process(synthetic, tmp_p
                           "-r", str(recipe), "--device", "cpu", "--json"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
-    assert result["gptq"]["weights_by_method"] == {"gptq": 6}
-    assert [layer["layer"] for layer in result["gptq"]["layers"]] == [0, 1]
-    assert all(layer["loss"] > 0 for layer in result["gptq"]["layers"])
+    assert result["calibrated"]["weights_by_method"] == {"gptq": 6}
+    assert [layer["layer"] for layer in result["calibrated"]["layers"]] == [0, 1]
+    assert all(layer["loss"] > 0 for layer in result["calibrated"]["layers"])
 
 
 def test_kill_9_during_gptq_then_resume_is_byte_identical(moe_runs, tmp_path):
@@ -399,7 +427,7 @@ def test_kill_9_during_gptq_then_resume_is_byte_identical(moe_runs, tmp_path):
         except (OSError, ValueError):
             return False
 
-    for condition in (lambda m: len(m["gptq_layers"]) >= 1, lambda m: len(m["shards"]) >= 1):
+    for condition in (lambda m: len(m["calibrated_layers"]) >= 1, lambda m: len(m["shards"]) >= 1):
         proc = subprocess.Popen(args + (["--resume"] if dst.exists() else []), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         start = time.monotonic()
@@ -412,7 +440,7 @@ def test_kill_9_during_gptq_then_resume_is_byte_identical(moe_runs, tmp_path):
     reference = tmp_path / "reference"
     convert(run["src"], reference, run["all-recipe"], device="cpu", max_shard_size="1MB")
     assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(reference) | {"quantkit-manifest.json": b""}
-    assert load_manifest(dst).gptq_modules == load_manifest(reference).gptq_modules
+    assert load_manifest(dst).calibrated_modules == load_manifest(reference).calibrated_modules
     assert not (dst / WORK_DIR).exists()
 
 
@@ -426,8 +454,8 @@ def test_without_llm_compressor_a_gptq_recipe_stops_before_writing(synthetic, tm
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("importer", ["quantkit.convert.gptq:llmcompressor_gptq",
-                                      "quantkit.convert.signround:llmcompressor_autoround"])
+@pytest.mark.parametrize("importer", ["quantkit.convert.calibrated.gptq:llmcompressor_gptq",
+                                      "quantkit.convert.calibrated.signround:llmcompressor_autoround"])
 def test_importing_llm_compressor_through_quantkit_leaves_its_own_gptq_usable(importer):
     """quantkit imports llm-compressor with its log off and stdout on stderr; llm-compressor 0.14 then skips
     registering its METRIC level, which its CompressionLogger logs at after every module, so its own oneshot in

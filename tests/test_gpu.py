@@ -113,7 +113,7 @@ def test_gptq_on_every_device_spelling(synthetic, tmp_path):
         out = tmp_path / spelling.replace(":", "-")
         quantkit("convert", synthetic["glm_moe_dsa"], out, "-r", recipe, "--device", spelling)
         manifest = json.loads((out / "quantkit-manifest.json").read_text())
-        assert {r["method"] for r in manifest["gptq_modules"].values()} >= {"gptq"}
+        assert {r["method"] for r in manifest["calibrated_modules"].values()} >= {"gptq"}
         quantkit("verify", out, "--source", synthetic["glm_moe_dsa"])
         outputs[spelling] = tree_bytes(out)
     assert outputs["cuda"] == outputs["cuda:0"] == outputs["auto"]  # one GPU, three spellings of it
@@ -129,8 +129,8 @@ def test_gptq_of_a_dense_model_on_cuda_lands_within_a_hair_of_the_cpus(tmp_path)
     losses = {}
     for device in ("cpu", "cuda"):
         result = convert(model, tmp_path / device, recipe, device=device, dtype="bf16")  # both llm-compressor's
-        assert result.gptq["weights_by_method"] == {"gptq": 9}
-        losses[device] = [layer["loss"] for layer in result.gptq["layers"]]
+        assert result.calibrated["weights_by_method"] == {"gptq": 9}
+        losses[device] = [layer["loss"] for layer in result.calibrated["layers"]]
     quantkit("verify", tmp_path / "cuda", "--source", model)
     assert len(losses["cuda"]) == 3
     assert all(abs(g - c) <= 0.01 * c for g, c in zip(losses["cuda"], losses["cpu"])), losses
@@ -143,7 +143,7 @@ def test_gptq_with_routed_experts_on_cuda(synthetic, tmp_path):
     recipe.write_text(recipe.read_text().replace("quantkit_calibration:\n",
                                                  "quantkit_calibration:\n  experts: routed\n  min_expert_tokens: 8\n"))
     result = convert(synthetic["glm_moe_dsa"], tmp_path / "routed", recipe, device="cuda")
-    assert result.gptq["weights_by_method"].get("gptq", 0) > 0, result.gptq["weights_by_method"]
+    assert result.calibrated["weights_by_method"].get("gptq", 0) > 0, result.calibrated["weights_by_method"]
     quantkit("verify", tmp_path / "routed", "--source", synthetic["glm_moe_dsa"])
 
 def test_calibrate_kv_on_cuda_matches_the_cpu(synthetic, tmp_path):
@@ -204,7 +204,7 @@ def test_signround_and_budget_on_cuda(tmp_path):
 
     model = build_synthetic("llama", tmp_path / "bf16", seed=1, fp8=False, num_hidden_layers=3)
     result = convert(model, tmp_path / "sr", signround_recipe(tmp_path), device="cuda")
-    assert result.gptq["weights_by_method"] == {"signround": 9} and result.devices == ["cuda:0"]
+    assert result.calibrated["weights_by_method"] == {"signround": 9} and result.devices == ["cuda:0"]
     quantkit("verify", tmp_path / "sr", "--source", model)
     plan = budget(model, recipe="dense-mlp-w4a16-g32", size="0.6", out=tmp_path / "b.yaml",
                   data=tmp_path / "calibration-0.jsonl", samples=4, seq_len=64, device="cuda")
@@ -217,7 +217,7 @@ def test_tensor_core_hessians_equal_llm_compressors_within_fp32_summation():
     and the sample counts exactly (a 2-D input is one sample, a 3-D one its first dimension)."""
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
-    from quantkit.convert.gptq import _accumulate_on_tensor_cores
+    from quantkit.convert.calibrated.gptq import _accumulate_on_tensor_cores
 
     gen, linear = torch.Generator(device="cuda").manual_seed(0), torch.nn.Linear(1, 1, device="meta")
     for shape in [(2048, 1024), (4, 512, 1024)]:
@@ -239,7 +239,7 @@ def test_a_shared_hessian_on_the_gpu_quantizes_as_llm_compressor_does():
     no more than llm-compressor's own do between that batch and batches of 8 (its per-item Cholesky)."""
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-    from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+    from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
     from quantkit.formats import int4
     from quantkit.formats.quant_config import QuantizationArgs
 
@@ -278,8 +278,8 @@ def test_gptq_on_tensor_core_hessians_stays_within_llm_compressors_own_rounding(
     measures it (1.13x and 1.12x there; docs/gptq.md)."""
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
-    from quantkit.convert.gptq import _accumulate_on_tensor_cores
-    from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+    from quantkit.convert.calibrated.gptq import _accumulate_on_tensor_cores
+    from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
     from quantkit.formats import int4
     from quantkit.formats.quant_config import QuantizationArgs
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 from quantkit.convert import convert
+from quantkit.convert.calibrated.walk import WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
 from quantkit.formats import int4
@@ -96,9 +97,9 @@ def llama(synthetic, tmp_path_factory):
 def test_weights_equal_llm_compressor_oneshot_autoround(llama, tmp_path):
     recipe = signround_recipe(tmp_path)
     result = convert(llama, tmp_path / "ours", recipe, device="cpu")
-    assert result.gptq["weights_by_method"] == {"signround": 9}
-    assert [r["method"] for r in result.gptq["layers"]] == ["signround"] * 3
-    assert all(r["loss"] > 0 and "tune" in r["phases"] for r in result.gptq["layers"])
+    assert result.calibrated["weights_by_method"] == {"signround": 9}
+    assert [r["method"] for r in result.calibrated["layers"]] == ["signround"] * 3
+    assert all(r["loss"] > 0 and "tune" in r["phases"] for r in result.calibrated["layers"])
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
     theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
     quantized = [n for n in mine if n.endswith(("weight_packed", "weight_scale"))]
@@ -108,7 +109,7 @@ def test_weights_equal_llm_compressor_oneshot_autoround(llama, tmp_path):
     rtn = convert(llama, tmp_path / "rtn", "dense-mlp-w4a16-g32", device="cpu")
     assert rtn.output_bytes == result.output_bytes  # the same format: SignRound changes values, not layout
     manifest = json.loads((tmp_path / "ours" / "quantkit-manifest.json").read_text())
-    assert {r["method"] for r in manifest["gptq_modules"].values()} == {"signround"}
+    assert {r["method"] for r in manifest["calibrated_modules"].values()} == {"signround"}
 
 
 def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path):
@@ -121,7 +122,7 @@ def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            if json.loads((dst / "quantkit-manifest.json").read_text())["gptq_layers"]:
+            if json.loads((dst / "quantkit-manifest.json").read_text())["calibrated_layers"]:
                 break
         except (OSError, ValueError, KeyError):
             pass
@@ -129,10 +130,10 @@ def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path)
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the conversion ended before it could be killed"
-    assert any(dst.glob(".quantkit-gptq/q-input-*.safetensors"))  # what the next layer's tuning starts from
+    assert any(dst.glob(f"{WORK_DIR}/q-input-*.safetensors"))  # what the next layer's tuning starts from
     done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    layers = json.loads(done.stdout)["gptq"]["layers"]
+    layers = json.loads(done.stdout)["calibrated"]["layers"]
     assert layers[0]["reused"] and not layers[-1]["reused"]
     assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
 
@@ -142,7 +143,7 @@ def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monk
     AutoRound's own tuned weights, with oneshot's scales. oneshot itself (llm-compressor 0.14) hands compressed-tensors
     only AutoRound's scales: its zero points stay 0 and a group whose AutoRound zero point is not 8 is clamped at one
     end. The day the peer keeps them, its output should equal quantkit's, and this test says so."""
-    import quantkit.convert.signround as signround
+    import quantkit.convert.calibrated.signround as signround
 
     tuned = {}
     real = signround.llmcompressor_autoround
@@ -158,7 +159,7 @@ def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monk
     monkeypatch.setattr(signround, "llmcompressor_autoround", recording)
     recipe = signround_recipe(tmp_path, base="dense-mlp-w4a16-signround-asym-g32")
     result = convert(llama, tmp_path / "ours", recipe, device="cpu")
-    assert result.gptq["weights_by_method"] == {"signround": 9}
+    assert result.calibrated["weights_by_method"] == {"signround": 9}
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
     theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
     modules = sorted(n.removesuffix(".weight_packed") for n in mine if n.endswith(".weight_packed"))
@@ -276,8 +277,8 @@ def test_the_shipped_recipe_on_a_gpu_is_as_good_as_llm_compressors_oneshot(smoll
     rows = [b[0].tolist() for b in calibration_batches(DEFAULT_DATA, cal.text_field, cal.samples, cal.seq_len, 1,
                                                        lambda: model_tokenizer(smollm2_bf16), None, require_all=True)]
     ours = convert(smollm2_bf16, tmp_path / "ours", SHIPPED, device="cuda")
-    assert ours.gptq["weights_by_method"] == {"signround": 90} and ours.devices == ["cuda:0"]
-    assert ours.gptq["settings"]["iters"] == 200
+    assert ours.calibrated["weights_by_method"] == {"signround": 90} and ours.devices == ["cuda:0"]
+    assert ours.calibrated["settings"]["iters"] == 200
     recipe = recipes_dir() / f"{SHIPPED}.yaml"
     users_oneshot(smollm2_bf16, recipe, rows, tmp_path / "oneshot", "cuda")
     users_oneshot(first_layers(smollm2_bf16, tmp_path / "cut", 4), recipe, rows[::-1], tmp_path / "again", "cuda")

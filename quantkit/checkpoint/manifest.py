@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
 from quantkit.errors import QuantkitError, field_error
@@ -38,7 +38,7 @@ class ShardRecord(BaseModel):
         return not rehash or sha256_file(path) == self.sha256
 
 
-class GPTQModuleRecord(BaseModel):
+class CalibratedModuleRecord(BaseModel):
     """How one INT4 weight of a GPTQ or SignRound recipe was quantized, and on how much calibration."""
 
     model_config = ConfigDict(extra="forbid")
@@ -61,10 +61,14 @@ class Manifest(BaseModel):
     max_shard_size: int
     status: ManifestStatus = ManifestStatus.RUNNING
     shards: dict[str, ShardRecord] = Field(default_factory=dict)
-    calibration_sha256: str | None = None  # GPTQ: the calibration tokens and settings
+    calibration_sha256: str | None = None  # GPTQ, SignRound: the calibration tokens and settings
     computed_in: str | None = None  # a GPTQ walk's dtype where not the model's own (older manifests: the model's)
-    gptq_layers: dict[str, ShardRecord] = Field(default_factory=dict)  # finished GPTQ layers (resume)
-    gptq_modules: dict[str, GPTQModuleRecord] = Field(default_factory=dict)
+    # a calibrated recipe's finished layers (resume) and what it did per weight; quantkit before the calibrated walk
+    # had one named them gptq_layers and gptq_modules, for SignRound too: those manifests still load and resume
+    calibrated_layers: dict[str, ShardRecord] = Field(default_factory=dict,
+                                                      validation_alias=AliasChoices("calibrated_layers", "gptq_layers"))
+    calibrated_modules: dict[str, CalibratedModuleRecord] = Field(
+        default_factory=dict, validation_alias=AliasChoices("calibrated_modules", "gptq_modules"))
     format_version: int = FORMAT_VERSION
 
     def differences(self, other: "Manifest") -> list[str]:
@@ -87,7 +91,7 @@ class Manifest(BaseModel):
         """Written with every record in name order, not in the order work finished: the manifest ships with
         the model and the gate binds its bytes, so identical inputs must give identical files."""
         ordered = self.model_copy(update={field: dict(sorted(getattr(self, field).items()))
-                                          for field in ("shards", "gptq_layers", "gptq_modules")})
+                                          for field in ("shards", "calibrated_layers", "calibrated_modules")})
         text = ordered.model_dump_json(indent=2)
         write_bytes_atomic(folder / MANIFEST_NAME, (text + "\n").encode())
 

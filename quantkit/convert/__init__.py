@@ -28,7 +28,7 @@ from quantkit.checkpoint.reader import Checkpoint, open_checkpoint
 from quantkit.checkpoint.writer import folder_lock
 from quantkit.convert import calibrated
 from quantkit.convert import dst as dst_folder
-from quantkit.convert.calibrated import calibration_batches_of as gptq_batches
+from quantkit.convert.calibrated import calibration_batches_of as calibration_batches
 from quantkit.convert.dst import DifferentRun, output_quantization_config
 from quantkit.convert.pipeline import Job, Progress, Stats, run_all
 from quantkit.convert.tensor_plan import ConversionPlan, plan_conversion
@@ -40,7 +40,8 @@ from quantkit.settings import CONVERT
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ConvertResult", "DifferentRun", "convert", "gptq_batches", "output_quantization_config", "parse_size"]
+__all__ = ["ConvertResult", "DifferentRun", "calibration_batches", "convert", "output_quantization_config",
+           "parse_size"]
 
 @dataclass
 class ConvertResult:
@@ -59,7 +60,7 @@ class ConvertResult:
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     tensors_by_group: dict[str, int] = field(default_factory=dict)  # recipe group -> weights it took
-    gptq: dict | None = None  # GPTQ recipes: weights by method, tokens per expert, per-layer loss
+    calibrated: dict | None = None  # GPTQ, SignRound recipes: weights by method, tokens per expert, per-layer loss
     skipped_files: list[str] = field(default_factory=list)  # weight files in SRC the index does not own
     warnings: list[str] = field(default_factory=list)
 
@@ -90,7 +91,7 @@ def convert(
     calibration_data: str | os.PathLike | None = None,
     dtype: str = CONVERT.dtype,
     on_progress: Callable[[int, int], None] | None = None,
-    on_gptq_layer: Callable | None = None,
+    on_layer: Callable | None = None,
 ) -> ConvertResult:
     """Convert SRC into DST with RECIPE.
 
@@ -105,9 +106,10 @@ def convert(
         scales are the checkpoint's either way). ``auto``: the model's dtype on a GPU, on a CPU it or FP32, whichever
         runs faster there. SignRound tunes in the model's dtype, as llm-compressor does.
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
-    :param on_gptq_layer: ``on_gptq_layer(report, layers)`` after each GPTQ layer (convert/gptq.py).
+    :param on_layer: ``on_layer(report, layers)`` after each layer of a GPTQ or SignRound recipe's walk
+        (convert/calibrated/walk.py).
     """
-    from quantkit.convert import gptq  # torch: only a conversion needs it (imported before the clock starts)
+    from quantkit.convert.calibrated import walk  # torch: only a conversion needs it (imported before the clock)
 
     started = time.perf_counter()
     job = _setup(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume, force,
@@ -129,13 +131,14 @@ def convert(
                        "config.json and the index are rewritten, so KV scales added since must be calibrated again")
         quantized = None
         if job.batches and calibrated.needs_layer_walk(todo, job.ckpt, job.plan, job.recipe):
-            quantized = _calibrate(job, manifest, on_gptq_layer)
+            quantized = _calibrate(job, manifest, on_layer)
         # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
         if todo or not finished:
             run_all(Job(job.plan, job.ckpt, job.dst, manifest, stats, progress, quantized), todo, job.workers,
                     job.devices)
             dst_folder.finish(job.ckpt, job.recipe, job.plan, job.dst, manifest)
-        shutil.rmtree(job.dst / gptq.WORK_DIR, ignore_errors=True)  # every calibrated result is in the shards now
+        for folder in (walk.WORK_DIR, walk.LEGACY_WORK_DIR):  # every calibrated result is in the shards now
+            shutil.rmtree(job.dst / folder, ignore_errors=True)
     return _result(job, manifest, todo, stats, quantized, time.perf_counter() - started)
 
 
@@ -157,8 +160,6 @@ class _Conversion:
 
 def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard_size: int, resume: bool, force: bool,
            calibration_data, dtype: str = CONVERT.dtype) -> _Conversion:
-    from quantkit.convert import gptq
-
     if resume and force:
         raise QuantkitError("--resume and --force exclude each other")
     from quantkit.compute_dtype import check_dtype
@@ -173,17 +174,12 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
     devices = resolve_devices(device)
     if calibration_data is not None and rec.calibration is None:
         raise QuantkitError(f"--calibration-data is for GPTQ and SignRound recipes; {rec.name} is round-to-nearest")
-    if rec.gptq:
-        gptq.llmcompressor_gptq()  # its absence stops the run here, before DST exists
-    if rec.signround:
-        from quantkit.convert import signround
-
-        signround.llmcompressor_autoround()
-        signround.check_targets(ckpt, plan, rec)
+    if rec.calibration:  # the algorithm's libraries and reach, checked before DST exists
+        calibrated.QUANTIZERS[rec.algorithm]().check(ckpt, plan, rec)
     if resume and dtype == "auto" and rec.gptq:
         dtype = calibrated.started_in(dst, ckpt)
     compute = calibrated.walk_dtype(rec, dtype, devices[0], ckpt)
-    batches = gptq_batches(ckpt, rec, calibration_data) if rec.calibration else None
+    batches = calibration_batches(ckpt, rec, calibration_data) if rec.calibration else None
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
     return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute)
@@ -192,7 +188,7 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
 def _manifest(job: _Conversion) -> Manifest:
     """The manifest this conversion writes; a resumed run must match it in everything but its shards."""
     from quantkit.compute_dtype import dtype_name
-    from quantkit.convert import gptq
+    from quantkit.convert.calibrated.walk import calibration_digest
 
     return Manifest(
         quantkit_version=__version__,
@@ -202,7 +198,7 @@ def _manifest(job: _Conversion) -> Manifest:
         recipe_sha256=job.recipe.sha256,
         plan_sha256=job.plan.digest(),
         max_shard_size=job.shard_size,
-        calibration_sha256=gptq.calibration_digest(job.batches, job.recipe) if job.batches else None,
+        calibration_sha256=calibration_digest(job.batches, job.recipe) if job.batches else None,
         computed_in=dtype_name(job.compute) if job.compute is not None else None,
     )
 
@@ -210,14 +206,8 @@ def _manifest(job: _Conversion) -> Manifest:
 def _calibrate(job: _Conversion, manifest: Manifest, on_layer: Callable | None):
     """GPTQ's or SignRound's layer walk; its packed weights wait in DST's work folder for the shards."""
     assert job.batches is not None  # set for every calibrated recipe
-    args = (job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices, on_layer)
-    if job.recipe.gptq:
-        from quantkit.convert.gptq import run_gptq
-
-        return run_gptq(*args, dtype=job.compute)
-    from quantkit.convert.signround import run_signround
-
-    return run_signround(*args)
+    return calibrated.run_calibrated(job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices,
+                                     on_layer, job.compute)
 
 
 def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quantized, seconds: float) -> ConvertResult:
@@ -239,7 +229,7 @@ def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quan
         seconds=seconds,
         stage_seconds=dict(stats.seconds),
         tensors_by_group={g: plan.weights_by_group[g] for g in rec.config.config_groups},
-        gptq=calibrated.summary(manifest, quantized, job.ckpt, plan, rec) if rec.calibration else None,
+        calibrated=calibrated.summary(manifest, quantized, job.ckpt, plan, rec) if rec.calibration else None,
         skipped_files=list(job.ckpt.skipped_files),
         warnings=list(stats.warnings),
     )

@@ -20,8 +20,6 @@ from quantkit.convert.cuda_graphs import GraphCache
 from quantkit.convert.tensor_plan import Action, ActionKind, ConversionPlan
 from quantkit.errors import QuantkitError
 
-GPTQ_DONE = "quantkit.gptq"  # a read-ahead item holding a weight GPTQ already quantized
-
 
 @dataclass
 class _Step:
@@ -223,8 +221,9 @@ RUNNERS: dict[ActionKind, Callable[[_Step], dict]] = {
 }
 
 
-def _calibrated(action: Action, quantized: dict) -> dict:
-    """A weight GPTQ or SignRound already packed (convert/gptq.py); the shape is the plan's, and so is the order."""
+def calibrated_outputs(action: Action, quantized: dict) -> dict:
+    """A weight GPTQ or SignRound already packed (convert/calibrated/); the shape is the plan's, and so is the
+    order."""
     import torch
 
     out = dict(quantized)
@@ -237,8 +236,6 @@ def run_action(action: Action, src: dict, plan: ConversionPlan, ckpt: Checkpoint
                graphs: GraphCache | None = None) -> dict:
     """Compute one action's output tensors (on CPU) from its source tensors; ``graphs``: replay CUDA graphs from
     this cache (one job's at a time)."""
-    if GPTQ_DONE in src:
-        return _calibrated(action, src[GPTQ_DONE])
     return RUNNERS[action.kind](_Step(action, src, plan, ckpt, device, stats, graphs))
 
 

@@ -64,7 +64,7 @@ def prepare_dst(dst: Path, fresh: Manifest, resume: bool, force: bool) -> tuple[
         if not resume:
             raise QuantkitError("holds a previous run of this conversion; use --resume to finish it or --force", dst)
         fresh.shards = old.shards
-        fresh.gptq_layers, fresh.gptq_modules = old.gptq_layers, old.gptq_modules
+        fresh.calibrated_layers, fresh.calibrated_modules = old.calibrated_layers, old.calibrated_modules
         finished = old.status == ManifestStatus.COMPLETE
     for stale in dst.glob(f".*{PARTIAL_SUFFIX}"):  # ours: no other writer holds the lock
         stale.unlink()

@@ -15,14 +15,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import ShardWriter
-from quantkit.convert.actions import GPTQ_DONE, capture_graphs, frequent_computations, run_action
+from quantkit.convert.actions import calibrated_outputs, capture_graphs, frequent_computations, run_action
 from quantkit.convert.cuda_graphs import GraphCache
 from quantkit.convert.tensor_plan import SHARD_METADATA, ConversionPlan, OutputShard
+
+if TYPE_CHECKING:
+    from quantkit.convert.calibrated.walk import CalibratedResult
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
@@ -94,7 +97,7 @@ class Job:
     manifest: Manifest
     stats: Stats
     progress: Progress
-    quantized: Any = None  # the calibrated weights' layer files (convert/gptq.py), read instead of computed
+    quantized: CalibratedResult | None = None  # the calibrated walk's layer files, read instead of computed
 
 
 def run_all(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
@@ -186,12 +189,13 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
             with TensorReader(job.ckpt) as reader:
                 for action in shard.actions:
                     t0 = time.perf_counter()
-                    if quantized is not None and action.module in quantized.files:
-                        tensors = {GPTQ_DONE: quantized.read(action.module, layer_files)}
+                    done = quantized is not None and action.module in quantized.files
+                    if done:  # the calibrated walk's packed tensors, not the source's
+                        tensors = quantized.read(action.module, layer_files)
                     else:
                         tensors = {name: reader.read(name, pinned=pinned) for name in action.sources}
                     stats.add("read", time.perf_counter() - t0)
-                    if not loaded.put((action, tensors)):
+                    if not loaded.put((action, tensors, done)):
                         return
             loaded.put(_DONE)
         except BaseException as exc:
@@ -223,9 +227,10 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
         try:
             with slot.on_stream():
                 while (item := loaded.get()) is not _DONE:
-                    action, tensors = item
-                    if not computed.put((action, run_action(action, tensors, job.plan, job.ckpt, device, stats,
-                                                           slot.graphs))):
+                    action, tensors, done = item
+                    outputs = calibrated_outputs(action, tensors) if done else run_action(
+                        action, tensors, job.plan, job.ckpt, device, stats, slot.graphs)
+                    if not computed.put((action, outputs)):
                         break
             computed.put(_DONE)
             threads[1].join()

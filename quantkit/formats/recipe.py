@@ -39,7 +39,7 @@ MODIFIERS = ("QuantizationModifier", "GPTQModifier", "AutoRoundModifier")
 UNSUPPORTED = ("AWQModifier", "SmoothQuantModifier", "SparseGPTModifier")
 CALIBRATION_KEY = "quantkit_calibration"
 # GPTQModifier's algorithm fields quantkit reads (llm-compressor 0.14 modifiers/gptq/base.py); its
-# batched_quantization is accepted and ignored: quantkit sizes its own batches (convert/gptq.py).
+# batched_quantization is accepted and ignored: quantkit sizes its own batches (convert/calibrated/gptq.py).
 _GPTQ_FIELDS = ("block_size", "dampening_frac", "actorder")
 
 

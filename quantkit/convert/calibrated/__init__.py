@@ -1,12 +1,14 @@
 """What a calibrated recipe (GPTQ, SignRound) adds to a conversion: its calibration tokens, the dtype its walk computes
-in, whether the shards still to write need the layer walk, and the summary of what it did per weight and per layer."""
+in, whether the shards still to write need the layer walk, the walk itself with the recipe's algorithm
+(``QUANTIZERS``: the next algorithm is one module and one entry), and the summary of what it did per weight and per
+layer."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from quantkit.checkpoint.config import check_context
 from quantkit.checkpoint.manifest import Manifest
@@ -17,6 +19,34 @@ from quantkit.formats.recipe import Recipe
 
 if TYPE_CHECKING:
     import torch
+
+    from quantkit.convert.calibrated.walk import CalibratedResult, LayerQuantizer
+
+
+def _gptq() -> type[LayerQuantizer]:
+    from quantkit.convert.calibrated.gptq import GPTQ
+
+    return GPTQ
+
+
+def _signround() -> type[LayerQuantizer]:
+    from quantkit.convert.calibrated.signround import SignRound
+
+    return SignRound
+
+
+# the recipe's algorithm -> its part of the layer walk (imported when used: llm-compressor is optional)
+QUANTIZERS: dict[str, Callable[[], type[LayerQuantizer]]] = {"gptq": _gptq, "signround": _signround}
+
+
+def run_calibrated(ckpt: Checkpoint, recipe: Recipe, plan, dst: Path, manifest: Manifest, batches: list,
+                   devices: list[str], on_layer: Callable | None = None, dtype: torch.dtype | None = None
+                   ) -> CalibratedResult:
+    """The recipe's algorithm over the calibrated layer walk (convert/calibrated/walk.py)."""
+    from quantkit.convert.calibrated.walk import layer_folder, walk_layers
+
+    quantizer = QUANTIZERS[recipe.algorithm]()(ckpt, recipe, batches, devices, layer_folder(dst), dtype)
+    return walk_layers(ckpt, recipe, plan, dst, manifest, quantizer, on_layer)
 
 
 def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):
@@ -67,19 +97,19 @@ def started_in(dst: Path, ckpt: Checkpoint) -> str:
 
 
 def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
-    from quantkit.convert import gptq
+    from quantkit.convert.calibrated.walk import calibration_targets
 
-    targets = {t.module for layer in gptq.gptq_targets(ckpt, plan, rec).values() for t in layer}
+    targets = {t.module for layer in calibration_targets(ckpt, plan, rec).values() for t in layer}
     return any(a.module in targets for s in todo for a in s.actions)
 
 
 def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
-    """What GPTQ did, for the result and ``--json``: weights by method, each layer's loss, the experts' token counts,
-    the dtype its layers computed in."""
+    """What the calibrated algorithm did, for the result and ``--json``: weights by method, each layer's loss, the
+    experts' token counts, the dtype its layers computed in."""
     from quantkit.modeling import model_dtype
 
     int4_modules = [a.module for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
-    records = manifest.gptq_modules
+    records = manifest.calibrated_modules
     methods = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
     experts = {m: records[m].tokens for m in int4_modules
                if m in records and ".experts." in m and m.endswith("down_proj")}

@@ -1,19 +1,12 @@
-"""GPTQ for a recipe's INT4 weights, streamed one decoder layer at a time from the source.
+"""GPTQ for a recipe's INT4 weights, one decoder layer at a time (the walk: convert/calibrated/walk.py).
 
-For each decoder layer (quantkit.layerwise): decode its weights from the source, run the
-calibration hidden states through it while collecting each targeted weight's Hessian, quantize
-with llm-compressor's own GPTQ (``quantize_weight``; same-shape weights such as one layer's
-experts in batches), put the quantized weights back and run the inputs again to get the next
-layer's inputs, so errors propagate as in llm-compressor's sequential pipeline. Peak memory: one
-decoded layer, its Hessians and the hidden states. On a GPU a half-precision input's Hessian is summed
-on tensor cores and weights that share one Hessian are quantized against one factorization of it
-(convert/gptq_shared_hessian.py); docs/gptq.md states the tolerance both hold against llm-compressor.
-
-Each finished layer's packed weights and scales go to ``DST/.quantkit-gptq/layer-NNNNN.safetensors``
-and into the manifest, so a killed run redoes no finished layer: the inputs of the next layer are
-recomputed from the finished layers' quantized weights (a forward pass, no GPTQ), which gives the
-same bits as the uninterrupted run. The shard pipeline then writes these tensors where RTN would
-have written its own, so the output format is the RTN path's to the byte.
+For each decoder layer: run the calibration hidden states through it while collecting each targeted weight's Hessian,
+quantize with llm-compressor's own GPTQ (``quantize_weight``; same-shape weights such as one layer's experts in
+batches), put the quantized weights back and run the inputs again to get the next layer's inputs, so errors propagate
+as in llm-compressor's sequential pipeline. On a GPU a half-precision input's Hessian is summed on tensor cores and
+weights that share one Hessian are quantized against one factorization of it (gptq_shared_hessian.py);
+docs/gptq.md states the tolerance both hold against llm-compressor. A resumed run recomputes the next layer's inputs
+from a finished layer's quantized weights (a forward pass, no GPTQ), which gives the same bits.
 
 MoE experts: an expert's gate and up share one Hessian (same input), its down has its own. With
 ``experts: routed`` each expert's Hessian comes from the tokens the router sends it and an expert
@@ -24,84 +17,30 @@ manifest records, per weight, the method, the routed token count and GPTQ's loss
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
+import contextlib
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
-from quantkit.checkpoint.reader import Checkpoint, TensorReader
-from quantkit.checkpoint.writer import work_folder, write_safetensors
-from quantkit.convert.gptq_shared_hessian import quantize_sharing_hessian
+from quantkit.checkpoint.manifest import CalibratedModuleRecord
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
+from quantkit.convert.calibrated.walk import EXPERT, Phases, QuantizedLayer, Target
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
-from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
+from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
-from quantkit.formats.quant_config import QuantizationArgs
 from quantkit.formats.recipe import Recipe
-
-WORK_DIR = ".quantkit-gptq"
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 
 
 def _expert(rel: str) -> tuple[int, str]:
     """(expert index, projection) of a routed expert's weight inside a decoder layer."""
-    m = _EXPERT.match(rel)
+    m = EXPERT.match(rel)
     if m is None:
         raise ValueError(f"{rel} is not a routed expert's projection")
     return int(m.group(1)), m.group(2)
-
-
-@dataclass
-class Target:
-    """One INT4 weight GPTQ quantizes: its on-disk module name and what the recipe asks for it."""
-
-    module: str  # model.layers.N.<rel>
-    rel: str  # name inside the decoder layer
-    group_size: int
-    args: QuantizationArgs  # formats/quant_config.py's, converted to compressed-tensors' for llm-compressor
-
-
-@dataclass
-class LayerReport:
-    layer: int
-    seconds: float
-    weights: int
-    loss: float  # sum of GPTQ's losses over the layer's weights
-    rtn: int  # weights that fell back to round-to-nearest
-    reused: bool = False
-    phases: dict[str, float] = field(default_factory=dict)  # read, hessians, quantize, write, forward (seconds)
-    peak_device_bytes: int = 0  # CUDA: the most memory allocated on the walk's device during the layer
-    method: str = "gptq"  # or signround (convert/signround.py): its loss is the layer's best block-output MSE
-
-
-@dataclass
-class GPTQResult:
-    """Where each GPTQ-quantized module's packed weight, scale (and zero point) wait for the shard pipeline."""
-
-    files: dict[str, Path] = field(default_factory=dict)  # module -> layer file
-    layers: list[LayerReport] = field(default_factory=list)
-
-    def read(self, module: str, reader_cache: dict) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
-        path = self.files[module]
-        if path not in reader_cache:
-            reader_cache.clear()  # layers are visited in order: one open file at a time
-            f = safe_open(str(path), framework="pt")
-            reader_cache[path] = f, set(f.keys())
-        f, held = reader_cache[path]
-        names = [f"{module}.{p}" for p in ("weight_packed", "weight_scale", "weight_zero_point")]
-        return {n: f.get_tensor(n) for n in names if n in held}  # a zero point: asymmetric SignRound
 
 
 def llmcompressor_gptq():
@@ -114,172 +53,50 @@ def llmcompressor_gptq():
     return accumulate_hessian, quantize_weight
 
 
-def gptq_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict[int, list[Target]]:
-    """Decoder layer -> the INT4 weights GPTQ quantizes in it. Layers transformers does not build
-    (a GLM / DeepSeek MTP layer) are not reached by the calibration forward and stay RTN."""
-    layers = int(ckpt.config["num_hidden_layers"])
-    out: dict[int, list[Target]] = {}
-    for shard in plan.shards:
-        for action in shard.actions:
-            if action.kind != ActionKind.INT4:
-                continue
-            m = _LAYER.match(action.module)
-            if m is None or int(m.group(1)) >= layers:
-                continue
-            assert action.group is not None and action.group_size is not None  # every INT4 action has them
-            args = recipe.config.config_groups[action.group].weights
-            assert args is not None
-            out.setdefault(int(m.group(1)), []).append(Target(action.module, m.group(2), action.group_size, args))
-    return dict(sorted(out.items()))
+class GPTQ:
+    """GPTQ's part of the calibrated walk: Hessians from the calibration inputs, llm-compressor's quantize_weight,
+    and the next layer's inputs through the quantized layer."""
 
+    method = "gptq"
 
-def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
-    """Identifies the calibration: the token ids and the algorithm's settings (a resumed run must use the same)."""
-    settings = recipe.gptq or recipe.signround
-    assert settings is not None  # only a calibrated recipe has calibration batches
-    h = hashlib.sha256(settings.model_dump_json().encode())
-    for b in batches:
-        h.update(json.dumps(list(b.shape)).encode())
-        h.update(b.to(torch.int64).numpy().tobytes())
-    return h.hexdigest()
+    def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
+                 dtype: torch.dtype | None = None):
+        """``dtype``: what the layers compute in (default the model's); the weights GPTQ starts from and the scales
+        stay the model's."""
+        from quantkit.layerwise import LayerWalk
 
+        self.recipe, self.devices = recipe, devices
+        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager", dtype=dtype)
 
-def run_gptq(
-    ckpt: Checkpoint,
-    recipe: Recipe,
-    plan: ConversionPlan,
-    dst: Path,
-    manifest: Manifest,
-    batches: list[torch.Tensor],
-    devices: list[str],
-    on_layer: Callable[[LayerReport, int], None] | None = None,
-    dtype: torch.dtype | None = None,
-) -> GPTQResult:
-    """Quantize every GPTQ target layer by layer; finished layers recorded in ``manifest`` are kept. ``dtype``: what
-    the layers compute in (default the model's); the weights GPTQ starts from and the scales stay the model's."""
-    from quantkit.layerwise import LayerWalk
+    @staticmethod
+    def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
+        llmcompressor_gptq()  # its absence stops the run before DST exists
 
-    targets = gptq_targets(ckpt, plan, recipe)
-    work = work_folder(dst, WORK_DIR)
-    result = GPTQResult()
-    if not targets:
-        return result
-    walk = LayerWalk(ckpt, batches, devices[0], attention="eager", dtype=dtype)
-    last = max(targets)
-    with TensorReader(ckpt) as reader, _LayerFiles(dst, manifest) as files:
-        for i in range(last + 1):
-            started = time.perf_counter()
-            phases = _Phases(devices[0])
-            layer_targets = targets.get(i, [])
-            path = work / f"layer-{i:05d}.safetensors"
-            with phases("read"):
-                state = walk.read_layer(i, reader)
-            reused = _finished(path, manifest, i)
-            if layer_targets and not reused:
-                layer = walk.load(i, state)
-                records = _quantize_layer(walk, i, layer, state, layer_targets, recipe, devices, phases)
-                del layer
-                with phases("write"):  # the wait for the previous layer's file, if it is still being written
-                    files.write(i, path, layer_targets, records)
-            if layer_targets and reused:  # a layer quantized just now already holds these values in state
-                _substitute(path, layer_targets, state)
-            if i < last:  # the next layer's inputs, through this layer as it will be served
-                with phases("forward"):
-                    layer = walk.load(i, state)
-                    walk.run(i, layer)
-            del state
-            walk.unload(i)
-            if layer_targets:
-                for t in layer_targets:
-                    result.files[t.module] = path
-                recs = [manifest.gptq_modules[t.module] for t in layer_targets]
-                report = LayerReport(i, time.perf_counter() - started, len(recs), sum(r.loss or 0.0 for r in recs),
-                                     sum(r.method == "rtn" for r in recs), reused, phases.seconds, phases.peak())
-                result.layers.append(report)
-                if on_layer:
-                    on_layer(report, len(targets))
-    return result
-
-
-class _LayerFiles:
-    """Writes each quantized layer's file in a thread of its own while the walk goes on to the next layer (a GLM-5
-    layer's is 5.4 GB: seconds of disk time). A layer enters the manifest only once its file is whole, so a run
-    killed while it is written redoes that layer; on the way out (finished, or an exception from the walk or the
-    caller's callback) the layer in flight is finished and recorded."""
-
-    def __init__(self, dst: Path, manifest: Manifest):
-        self.dst, self.manifest = dst, manifest
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-gptq-write")
-        self._pending: tuple[int, Future] | None = None
-
-    def write(self, i: int, path: Path, targets: list[Target], records: dict[str, dict]) -> None:
+    def quantize(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], phases: Phases
+                 ) -> QuantizedLayer:
+        layer = self.walk.load(i, state)
+        records = _quantize_layer(self.walk, i, layer, state, targets, self.recipe, self.devices, phases)
         tensors = {}
         for t in targets:
             tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
             tensors[f"{t.module}.weight_scale"] = records[t.module].pop("scale")
-        meta = {t.module: GPTQModuleRecord(**records[t.module]).model_dump() for t in targets}
-        self.wait()  # one layer in flight: the host holds at most two layers' packed weights
-        self.manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
-        self._pending = (i, self._pool.submit(write_safetensors, path, tensors,
-                                              {"format": "pt", "quantkit_gptq": json.dumps(meta)}))
+        return QuantizedLayer(tensors, {m: CalibratedModuleRecord(**r) for m, r in records.items()})
 
-    def wait(self) -> None:
-        if self._pending is None:
-            return
-        i, future = self._pending
-        self._pending = None
-        written = future.result()
-        self.manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
-        self.manifest.save(self.dst)
+    def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
+        """Through the layer as it will be served: a layer quantized just now already holds these values in state."""
+        if done is not None:
+            _substitute(done, targets, state)
+        self.walk.run(i, self.walk.load(i, state))
 
-    def __enter__(self) -> "_LayerFiles":
-        return self
+    def recorded(self, i: int) -> None:
+        pass
 
-    def __exit__(self, *exc) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown()
+    def running(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
+    def layer_loss(self, records: list[CalibratedModuleRecord]) -> float:
+        return sum(r.loss or 0.0 for r in records)
 
-class _Phases:
-    """Seconds per phase of one layer (the device synchronized at each boundary) and its peak memory."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.device = device
-        self.seconds: dict[str, float] = {}
-        self._open: tuple[str, float] | None = None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def start(self, name: str) -> None:
-        self.stop()
-        self._open = (name, time.perf_counter())
-
-    def stop(self) -> None:
-        if self._open is not None:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-            name, t0 = self._open
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-            self._open = None
-
-    @contextmanager
-    def __call__(self, name: str):
-        self.start(name)
-        try:
-            yield
-        finally:
-            self.stop()
-
-    def peak(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
-
-
-def _finished(path: Path, manifest: Manifest, i: int) -> bool:
-    record = manifest.gptq_layers.get(str(i))
-    return record is not None and record.matches(path)
 
 
 def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor]) -> None:
@@ -346,8 +163,8 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
     cal = recipe.gptq.calibration
     hessians = _Hessians(walk.device)
     handles = []
-    dense = [t for t in targets if not _EXPERT.match(t.rel)]
-    experts = [t for t in targets if _EXPERT.match(t.rel)]
+    dense = [t for t in targets if not EXPERT.match(t.rel)]
+    experts = [t for t in targets if EXPERT.match(t.rel)]
     for t in dense:
         module = layer.get_submodule(t.rel)
         if not isinstance(module, torch.nn.Linear):

@@ -11,10 +11,10 @@ equals llm-compressor's ``oneshot`` with the same recipe and tokens, bit for bit
 where oneshot loses AutoRound's work: it rounds an MLP recipe's attention while tuning (``leave_unquantized_alone``)
 and drops asymmetric groups' zero points (``_zero_point``).
 
-Only one decoder layer is in memory. A finished layer's packed weights and scales go to
-``DST/.quantkit-gptq/layer-NNNNN.safetensors`` and into the manifest, with the quantized outputs that the next layer
-needs (``q-input-NNNNN.safetensors``, the last one kept: hidden states of every calibration sequence, fp32), so a
-killed run resumes at the first unfinished layer with the same bits. MoE experts, which transformers fuses into one
+The walk (convert/calibrated/walk.py) keeps one decoder layer in memory and each finished layer's file; beside it
+SignRound keeps the quantized outputs the next layer's tuning starts from (``q-input-NNNNN.safetensors``, hidden
+states of every calibration sequence, fp32, until the next layer is recorded), so a killed run resumes at the first
+unfinished layer with the same bits. MoE experts, which transformers fuses into one
 module that is not a Linear, are out of AutoRound's reach: a recipe that targets them is refused (use GPTQ).
 """
 
@@ -24,17 +24,16 @@ import contextlib
 import io
 import logging
 import re
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import torch
 
-from quantkit.checkpoint.manifest import GPTQModuleRecord, Manifest, ShardRecord
-from quantkit.checkpoint.reader import Checkpoint, TensorReader
-from quantkit.checkpoint.writer import work_folder, write_safetensors
-from quantkit.convert.gptq import _EXPERT, WORK_DIR, GPTQResult, LayerReport, _finished, _Phases, gptq_targets
+from quantkit.checkpoint.manifest import CalibratedModuleRecord
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.writer import write_safetensors
+from quantkit.convert.calibrated.walk import EXPERT, Phases, QuantizedLayer, Target, calibration_targets
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
@@ -55,79 +54,64 @@ def llmcompressor_autoround():
     return AutoRoundModifier, State, DisableQuantization, quantize
 
 
-def check_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
-    """AutoRound tunes Linear modules; transformers fuses a layer's experts into one module that is not one."""
-    for layer in gptq_targets(ckpt, plan, recipe).values():
-        for t in layer:
-            if _EXPERT.match(t.rel):
-                raise QuantkitError(f"recipe {recipe.name}: SignRound reaches Linear modules only, and transformers "
-                                    "fuses MoE experts into one module: use a GPTQ recipe for experts", ckpt.root,
-                                    t.module)
+class SignRound:
+    """SignRound's part of the calibrated walk: llm-compressor's AutoRoundModifier tunes the layer while its inputs
+    are captured, and the next layer's inputs are the full-precision model's (AutoRound's ``q_input`` rides along)."""
+
+    method = "signround"
+
+    def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
+                 dtype: torch.dtype | None = None):
+        from quantkit.layerwise import LayerWalk
+
+        assert dtype is None  # SignRound tunes in the model's dtype (calibrated.walk_dtype)
+        self.recipe, self.work = recipe, work
+        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager")  # llm-compressor calibrates in eager
+        self.tokens = sum(int(b.numel()) for b in batches)
+        self.q_input = None
+        self.losses: list[float] = []
+
+    @staticmethod
+    def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
+        """Its libraries are there, and its targets are Linears: transformers fuses a layer's experts into one module
+        that is not one."""
+        llmcompressor_autoround()
+        for layer in calibration_targets(ckpt, plan, recipe).values():
+            for t in layer:
+                if EXPERT.match(t.rel):
+                    raise QuantkitError(f"recipe {recipe.name}: SignRound reaches Linear modules only, and "
+                                        "transformers fuses MoE experts into one module: use a GPTQ recipe for experts",
+                                        ckpt.root, t.module)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """auto-round's log (its own handler on stderr) is quantkit's to report: its lines are held back and each
+        layer's block loss (the best of the tuning) is taken from them."""
+        with _autoround_log(self.losses):
+            yield
+
+    def quantize(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], phases: Phases
+                 ) -> QuantizedLayer:
+        self.q_input = _restore_q_input(self.work, i, self.q_input)
+        layer = self.walk.load(i, state)
+        tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.q_input, phases)
+        loss = self.losses.pop() if self.losses else None
+        _save_q_input(self.work, i, self.q_input)  # before the layer is recorded: a resume at i + 1 starts from it
+        records = {t.module: CalibratedModuleRecord(method="signround", tokens=self.tokens, loss=loss) for t in targets}
+        return QuantizedLayer(tensors, records, advanced=True)  # tuning ran the layer's inputs on
+
+    def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
+        """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound."""
+        self.walk.run(i, self.walk.load(i, state))
+
+    def recorded(self, i: int) -> None:
+        _q_input_path(self.work, i - 1).unlink(missing_ok=True)
+
+    def layer_loss(self, records: list[CalibratedModuleRecord]) -> float:
+        return records[0].loss or 0.0  # every weight of the layer carries the layer's loss
 
 
-def run_signround(
-    ckpt: Checkpoint,
-    recipe: Recipe,
-    plan: ConversionPlan,
-    dst: Path,
-    manifest: Manifest,
-    batches: list[torch.Tensor],
-    devices: list[str],
-    on_layer: Callable[[LayerReport, int], None] | None = None,
-) -> GPTQResult:
-    """Tune every target layer with SignRound; finished layers recorded in ``manifest`` are kept."""
-    from quantkit.layerwise import LayerWalk
-
-    targets = gptq_targets(ckpt, plan, recipe)
-    work = work_folder(dst, WORK_DIR)
-    result = GPTQResult()
-    if not targets:
-        return result
-    device = devices[0]
-    walk = LayerWalk(ckpt, batches, device, attention="eager")  # llm-compressor calibrates with eager attention
-    last = max(targets)
-    q_input = None
-    tokens = sum(int(b.numel()) for b in batches)
-    with TensorReader(ckpt) as reader, _autoround_log() as losses:
-        for i in range(last + 1):
-            started = time.perf_counter()
-            phases = _Phases(device)
-            layer_targets = targets.get(i, [])
-            path = work / f"layer-{i:05d}.safetensors"
-            reused = bool(layer_targets) and _finished(path, manifest, i)
-            with phases("read"):
-                layer = walk.load(i, walk.read_layer(i, reader))
-            if layer_targets and not reused:
-                q_input = _restore_q_input(work, i, q_input)
-                packed, q_input = _tune_layer(walk, i, layer, layer_targets, recipe, q_input, device, phases)
-                phases.start("write")
-                loss = losses.pop() if losses else None
-                meta = {t.module: GPTQModuleRecord(method="signround", tokens=tokens, loss=loss).model_dump()
-                        for t in layer_targets}
-                written = write_safetensors(path, packed, {"format": "pt"})
-                _save_q_input(work, i, q_input)
-                manifest.gptq_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
-                manifest.gptq_modules.update({m: GPTQModuleRecord(**r) for m, r in meta.items()})
-                manifest.save(dst)
-                (work / f"q-input-{i - 1:05d}.safetensors").unlink(missing_ok=True)
-                phases.stop()
-            elif i < last:  # the next layer's inputs: the full-precision model's, as llm-compressor's pipeline feeds
-                with phases("forward"):
-                    walk.run(i, layer)
-            walk.unload(i)
-            if layer_targets:
-                for t in layer_targets:
-                    result.files[t.module] = path
-                recs = [manifest.gptq_modules[t.module] for t in layer_targets]
-                report = LayerReport(i, time.perf_counter() - started, len(recs), recs[0].loss or 0.0, 0, reused,
-                                     phases.seconds, phases.peak(), method="signround")
-                result.layers.append(report)
-                if on_layer:
-                    on_layer(report, len(targets))
-    return result
-
-
-def _tune_layer(walk, i, layer, targets, recipe, q_input, device, phases):
+def _tune_layer(walk, i, layer, targets, recipe, q_input, phases):
     """llm-compressor's AutoRoundModifier on one decoder layer, as its sequential pipeline calls it; returns the
     targets' packed weights and scales and the layer's quantized outputs for the next layer."""
     from quantkit.modeling import model_config
@@ -222,11 +206,8 @@ def _restore_q_input(work: Path, i: int, q_input):
 
 
 @contextmanager
-def _autoround_log():
-    """auto-round's log (its own handler on stderr) is quantkit's to report: its lines are held back and each
-    layer's block loss (the best of the tuning) is taken from them."""
+def _autoround_log(losses: list[float]):
     logger = logging.getLogger("autoround")
-    losses: list[float] = []
 
     class Capture(logging.Handler):
         def emit(self, record):
@@ -238,6 +219,6 @@ def _autoround_log():
     logger.handlers = [Capture()]
     logger.setLevel(logging.INFO)
     try:
-        yield losses
+        yield
     finally:
         logger.handlers, logger.level = saved, level
