@@ -1,5 +1,6 @@
-"""SignRound (AutoRound) recipes: streamed layer by layer, equal to llm-compressor's own oneshot to the bit,
-resumable after a kill, refused where AutoRound cannot reach (fused MoE experts)."""
+"""SignRound (AutoRound) recipes: streamed layer by layer, equal to llm-compressor's own oneshot to the bit where
+oneshot does what the recipe says, resumable after a kill, asymmetric with AutoRound's own zero points, and on MoE
+experts tuned inside their layer."""
 
 import json
 import signal
@@ -188,14 +189,114 @@ def _dequantized(tensors: dict, module: str) -> torch.Tensor:
                                 inn // scale.shape[1], zero)
 
 
-def test_moe_experts_are_refused_before_anything_is_written(synthetic, tmp_path):
-    base = (recipes_dir() / "glm5-int4-experts-gptq-g32.yaml").read_text()
-    moe = tmp_path / "moe.yaml"
-    moe.write_text(base.replace("GPTQModifier:", "AutoRoundModifier:").replace("      block_size: 128\n", "")
-                   .replace("      dampening_frac: 0.01\n", "").replace("      actorder: static\n", ""))
-    with pytest.raises(QuantkitError, match="SignRound reaches Linear modules only"):
-        convert(synthetic["glm_moe_dsa"], tmp_path / "out", moe, device="cpu")
-    assert not (tmp_path / "out").exists()
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    """The synthetic GLM-5 in BF16 (a dense layer, two MoE layers of 8 routed experts, an MTP layer) with a tokenizer."""
+    root = tmp_path_factory.mktemp("signround-moe")
+    return add_word_tokenizer(build_synthetic("glm_moe_dsa", root / "bf16", seed=1, fp8=False))
+
+
+@contextmanager
+def autoround_without_layer_index_rules():
+    """auto-round's own ignore rules for glm_moe_dsa name the first dense layers' MLPs by index (``layers.0.mlp``);
+    llm-compressor hands AutoRound each decoder layer as ``model.layers.0``, so the rule leaves every layer's experts
+    unquantized in oneshot too. The peer here runs without such rules, as quantkit does."""
+    import re
+
+    from auto_round.compressors import base
+
+    real = base.get_predefined_ignore_layers
+    base.get_predefined_ignore_layers = lambda model: [n for n in real(model) if not re.search(r"layers\.\d", n)]
+    try:
+        yield
+    finally:
+        base.get_predefined_ignore_layers = real
+
+
+def moe_peer(model: Path, recipe: Path) -> dict[str, torch.Tensor]:
+    """oneshot (which linearizes MoE experts itself) with the same recipe and tokens; each tuned expert weight packed
+    with compressed-tensors' quantize, as llm-compressor compresses it."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
+    cal = load_recipe(recipe).calibration
+    rows = [json.loads(line)["input_ids"] for line in Path(cal.dataset).read_text().splitlines()]
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    with autoround_told_what_the_recipe_leaves_unquantized(), autoround_without_layer_index_rules():
+        oneshot(model=net, dataset=Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * cal.seq_len] * len(rows)}),
+                recipe=str(recipe), num_calibration_samples=cal.samples, max_seq_length=cal.seq_len,
+                shuffle_calibration_samples=False, batch_size=1, pipeline="sequential")
+    out = {}
+    for name, module in net.named_modules():
+        if ".experts." in name and hasattr(module, "weight_scale"):
+            q = quantize(x=module.weight.detach(), scale=module.weight_scale.detach(), zero_point=None,
+                         args=module.quantization_scheme.weights, dtype=torch.int8)
+            out[f"{name}.weight_packed"] = int4.pack_int4(q)
+            out[f"{name}.weight_scale"] = module.weight_scale.detach().to(torch.bfloat16)
+    return out
+
+
+def test_moe_experts_are_tuned_inside_their_layer_as_oneshot_tunes_them(glm5, tmp_path):
+    """Each routed expert becomes Linears by llm-compressor's own linearize and is tuned with its layer. At one step
+    the packed experts equal oneshot's (with the two peer fixes above); at 4 steps 36 of the 48 differ (not yet
+    explained: docs/int4-methods.md). The MTP layer's experts, which the calibration forward does not reach, stay
+    round-to-nearest."""
+    recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=1)
+    result = convert(glm5, tmp_path / "ours", recipe, device="cpu")
+    assert result.calibrated["weights_by_method"] == {"signround": 2 * 8 * 3, "rtn": 8 * 3}
+    assert [layer["layer"] for layer in result.calibrated["layers"]] == [1, 2]
+    mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
+    theirs = moe_peer(glm5, recipe)
+    assert len(theirs) == 2 * 2 * 8 * 3
+    different = [n for n in theirs if not torch.equal(mine[n], theirs[n])]
+    assert not different, different[:5]
+    rtn = convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
+    assert rtn.output_bytes == result.output_bytes
+
+
+def test_tuned_experts_move_the_models_output_less_than_round_to_nearest(glm5, tmp_path):
+    """What the tuning is for, on tokens it did not see: the whole model's next-token distribution moves less from
+    the source's with the tuned experts than with round-to-nearest's."""
+    from quantkit.modeling import load_model
+
+    recipe = signround_recipe(tmp_path, samples=8, base="glm5-int4-experts-signround-g32", iters=40)
+    tuned = convert(glm5, tmp_path / "tuned", recipe, device="cpu")
+    assert tuned.calibrated["weights_by_method"]["signround"] == 48
+    convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
+    held_out = torch.randint(2, 512, (4, 64), generator=torch.Generator().manual_seed(7))
+
+    def log_probs(model: Path) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(load_model(model, dtype=torch.float32)(input_ids=held_out).logits, -1)
+
+    source = log_probs(glm5)
+    kl = {name: float((source.exp() * (source - log_probs(tmp_path / name))).sum(-1).mean())
+          for name in ("tuned", "rtn")}
+    assert kl["tuned"] < kl["rtn"], kl
+
+
+def test_a_moe_run_stopped_after_a_layer_resumes_to_the_same_bytes(glm5, tmp_path):
+    """GLM-5's layers hand the next one their DSA top-k indices too: the saved quantized outputs hold them."""
+    recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=4)
+    convert(glm5, tmp_path / "reference", recipe, device="cpu")
+
+    class Stopped(Exception):
+        pass
+
+    def stop(report, layers):
+        raise Stopped
+
+    dst = tmp_path / "dst"
+    with pytest.raises(Stopped):
+        convert(glm5, dst, recipe, device="cpu", on_layer=stop)
+    saved = load_file(str(dst / WORK_DIR / "q-input-00001.safetensors"))
+    assert any(n.startswith("q_input.prev_topk_indices.") for n in saved)
+    seen = []
+    convert(glm5, dst, recipe, device="cpu", resume=True, on_layer=lambda r, n: seen.append((r.layer, r.reused)))
+    assert seen == [(1, True), (2, False)]
+    assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
 
 
 def test_recipe_settings_are_the_modifiers(tmp_path):

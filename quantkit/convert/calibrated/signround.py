@@ -14,14 +14,15 @@ and drops asymmetric groups' zero points (``_zero_point``).
 The walk (convert/calibrated/walk.py) keeps one decoder layer in memory and each finished layer's file; beside it
 SignRound keeps the quantized outputs the next layer's tuning starts from (``q-input-NNNNN.safetensors``, hidden
 states of every calibration sequence, fp32, until the next layer is recorded), so a killed run resumes at the first
-unfinished layer with the same bits. MoE experts, which transformers fuses into one
-module that is not a Linear, are out of AutoRound's reach: a recipe that targets them is refused (use GPTQ).
+unfinished layer with the same bits. A MoE layer's experts, which transformers fuses into one module, are split
+into Linears first (``experts_as_linears``), so AutoRound tunes them inside their layer as it tunes a MoE block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import re
 from contextlib import contextmanager
@@ -33,13 +34,14 @@ import torch
 from quantkit.checkpoint.manifest import CalibratedModuleRecord
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.writer import write_safetensors
-from quantkit.convert.calibrated.walk import EXPERT, Phases, QuantizedLayer, Target, calibration_targets
+from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
 from quantkit.formats.recipe import Recipe
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
 _LOSS = re.compile(r"loss iter 0: ([0-9.eE+-]+) -> iter \d+: ([0-9.eE+-]+)")
 
 
@@ -63,52 +65,97 @@ class SignRound:
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
                  dtype: torch.dtype | None = None):
         from quantkit.layerwise import LayerWalk
+        from quantkit.modeling import model_config
 
         assert dtype is None  # SignRound tunes in the model's dtype (calibrated.walk_dtype)
         self.recipe, self.work = recipe, work
         self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager")  # llm-compressor calibrates in eager
         self.tokens = sum(int(b.numel()) for b in batches)
+        self.config = model_config(ckpt.config)
         self.q_input = None
         self.losses: list[float] = []
 
     @staticmethod
     def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
-        """Its libraries are there, and its targets are Linears: transformers fuses a layer's experts into one module
-        that is not one."""
-        llmcompressor_autoround()
-        for layer in calibration_targets(ckpt, plan, recipe).values():
-            for t in layer:
-                if EXPERT.match(t.rel):
-                    raise QuantkitError(f"recipe {recipe.name}: SignRound reaches Linear modules only, and "
-                                        "transformers fuses MoE experts into one module: use a GPTQ recipe for experts",
-                                        ckpt.root, t.module)
+        llmcompressor_autoround()  # its absence stops the run before DST exists
 
     @contextmanager
     def running(self) -> Iterator[None]:
         """auto-round's log (its own handler on stderr) is quantkit's to report: its lines are held back and each
-        layer's block loss (the best of the tuning) is taken from them."""
-        with _autoround_log(self.losses):
+        layer's block loss (the best of the tuning) is taken from them. ``experts: all`` runs every token through
+        every expert, as llm-compressor's oneshot does by default (its moe_calibration_context)."""
+        from llmcompressor.modeling.moe.context import moe_calibration_context
+
+        cal = self.recipe.calibration
+        every_expert = cal is not None and cal.experts == "all"
+        with _autoround_log(self.losses), _recipe_decides_what_is_quantized(), \
+                moe_calibration_context() if every_expert else contextlib.nullcontext():
             yield
 
     def quantize(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], phases: Phases
                  ) -> QuantizedLayer:
         self.q_input = _restore_q_input(self.work, i, self.q_input)
-        layer = self.walk.load(i, state)
-        tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.q_input, phases)
+        with experts_as_linears(self.walk.load(i, state), self.config) as layer:
+            tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.q_input, phases)
         loss = self.losses.pop() if self.losses else None
         _save_q_input(self.work, i, self.q_input)  # before the layer is recorded: a resume at i + 1 starts from it
         records = {t.module: CalibratedModuleRecord(method="signround", tokens=self.tokens, loss=loss) for t in targets}
         return QuantizedLayer(tensors, records, advanced=True)  # tuning ran the layer's inputs on
 
     def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
-        """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound."""
-        self.walk.run(i, self.walk.load(i, state))
+        """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound; a MoE layer's
+        experts computed as Linears here too, as while tuning, so that a resumed run gets the same inputs."""
+        with experts_as_linears(self.walk.load(i, state), self.config) as layer:
+            self.walk.run(i, layer)
 
     def recorded(self, i: int) -> None:
         _q_input_path(self.work, i - 1).unlink(missing_ok=True)
 
     def layer_loss(self, records: list[CalibratedModuleRecord]) -> float:
         return records[0].loss or 0.0  # every weight of the layer carries the layer's loss
+
+
+@contextmanager
+def _recipe_decides_what_is_quantized() -> Iterator[None]:
+    """auto-round adds an ignore list of its own per model family to what it is told (``special_model_handler``: for
+    ``glm_moe_dsa`` the MLPs of layers ``0 .. first_k_dense_replace - 1``, a vLLM workaround). llm-compressor hands
+    AutoRound each decoder layer alone, named ``model.layers.0``, so a rule that names a layer by its index hits every
+    layer: GLM-5's experts were left unquantized in all of them (auto-round 0.15.1 under llm-compressor 0.14, on the
+    synthetic GLM-5). Rules that name a layer by index are dropped while quantkit tunes; what the recipe leaves alone
+    AutoRound is told by name (``leave_unquantized_alone``)."""
+    from auto_round.compressors import base
+
+    real = base.get_predefined_ignore_layers
+
+    def without_layer_indices(model) -> list[str]:
+        return [name for name in real(model) if not _LAYER_INDEX.search(name)]
+
+    base.get_predefined_ignore_layers = without_layer_indices
+    try:
+        yield
+    finally:
+        base.get_predefined_ignore_layers = real
+
+
+@contextmanager
+def experts_as_linears(layer: torch.nn.Module, config) -> Iterator[torch.nn.Module]:
+    """``layer`` with a MoE layer's experts as Linears while in the block. transformers fuses the experts into one
+    module of 3-D weights, and AutoRound tunes Linears: each expert becomes a gate/up/down Linear under the
+    checkpoint's own names (``mlp.experts.N.gate_proj``) by llm-compressor's linearize (``LinearExperts2D``, what its
+    oneshot does to every MoE model), and computes the tokens the router sends it, as auto-round tunes a MoE block.
+    The fused module goes back afterwards: the layer walk rebuilds the layer from it."""
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    if mlp is None or experts is None or isinstance(experts, torch.nn.ModuleList):
+        yield layer
+        return
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    mlp.experts = LinearExperts2D.get_linear_experts_cls(type(experts)).from_experts_module(experts, config)
+    try:
+        yield layer
+    finally:
+        mlp.experts = experts
 
 
 def _tune_layer(walk, i, layer, targets, recipe, q_input, phases):
@@ -186,10 +233,16 @@ def _q_input_path(work: Path, i: int) -> Path:
 
 
 def _save_q_input(work: Path, i: int, q_input) -> None:
-    """The quantized outputs of layer ``i`` that layer ``i + 1``'s tuning starts from: what a resumed run needs."""
-    if q_input is not None:
-        write_safetensors(_q_input_path(work, i), {f"q_input.{k}": t.contiguous() for k, t in enumerate(q_input)},
-                          {"format": "pt"})
+    """The quantized outputs of layer ``i`` that layer ``i + 1``'s tuning starts from: what a resumed run needs. A list
+    of hidden states per sequence, or (a layer that hands more to the next, as GLM-5's DSA attention hands on its
+    top-k indices) a dict of such lists."""
+    if q_input is None:
+        return
+    named = q_input.items() if isinstance(q_input, dict) else [("", q_input)]
+    tensors = {f"q_input.{key}.{k}" if key else f"q_input.{k}": t.contiguous()
+               for key, seq in named for k, t in enumerate(seq)}
+    keys = list(q_input) if isinstance(q_input, dict) else None
+    write_safetensors(_q_input_path(work, i), tensors, {"format": "pt", "q_input_keys": json.dumps(keys)})
 
 
 def _restore_q_input(work: Path, i: int, q_input):
@@ -199,10 +252,16 @@ def _restore_q_input(work: Path, i: int, q_input):
     path = _q_input_path(work, i - 1)
     if not path.is_file():
         return None  # no layer before this one was tuned (they hold no targets)
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    stored = load_file(str(path))
-    return [stored[f"q_input.{k}"] for k in range(len(stored))]
+    with safe_open(str(path), framework="pt") as f:
+        keys = json.loads((f.metadata() or {}).get("q_input_keys", "null"))  # none: a list (an older file)
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+
+    def sequences(prefix: str) -> list[torch.Tensor]:
+        return [stored[f"{prefix}{k}"] for k in range(sum(n.startswith(prefix) for n in stored))]
+
+    return sequences("q_input.") if keys is None else {key: sequences(f"q_input.{key}.") for key in keys}
 
 
 @contextmanager
