@@ -234,7 +234,8 @@ def convert_cmd(
 
 
 class _CalibratedLayerLog:
-    """One line per GPTQ layer on stderr: its time, loss, RTN fallbacks and the ETA of the rest."""
+    """One line per layer of a GPTQ or SignRound walk on stderr: its time, loss, RTN fallbacks and the ETA of the
+    rest."""
 
     def __init__(self):
         self.seen = 0

@@ -240,9 +240,10 @@ def moe_peer(model: Path, recipe: Path) -> dict[str, torch.Tensor]:
 
 def test_moe_experts_are_tuned_inside_their_layer_as_oneshot_tunes_them(glm5, tmp_path):
     """Each routed expert becomes Linears by llm-compressor's own linearize and is tuned with its layer. At one step
-    the packed experts equal oneshot's (with the two peer fixes above); at 4 steps 36 of the 48 differ (not yet
-    explained: docs/int4-methods.md). The MTP layer's experts, which the calibration forward does not reach, stay
-    round-to-nearest."""
+    the packed experts equal oneshot's (with the two peer fixes above): AutoRound keeps the best of its steps, here
+    the rounding it starts from, so this holds the names, targets, scales and layout equal, not the tuning (at 4
+    steps 36 of the 48 differ: docs/int4-methods.md). The MTP layer's experts, which the calibration forward does not
+    reach, stay round-to-nearest."""
     recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=1)
     result = convert(glm5, tmp_path / "ours", recipe, device="cpu")
     assert result.calibrated["weights_by_method"] == {"signround": 2 * 8 * 3, "rtn": 8 * 3}
