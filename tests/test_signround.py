@@ -238,22 +238,26 @@ def moe_peer(model: Path, recipe: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_moe_experts_are_tuned_inside_their_layer_as_oneshot_tunes_them(glm5, tmp_path):
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v3"])
+def test_moe_experts_are_tuned_inside_their_layer_as_oneshot_tunes_them(glm5, tmp_path, family):
     """Each routed expert becomes Linears by llm-compressor's own linearize and is tuned with its layer. At one step
     the packed experts equal oneshot's (with the two peer fixes above): AutoRound keeps the best of its steps, here
     the rounding it starts from, so this holds the names, targets, scales and layout equal, not the tuning (at 4
     steps 36 of the 48 differ: docs/int4-methods.md). The MTP layer's experts, which the calibration forward does not
     reach, stay round-to-nearest."""
-    recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=1)
-    result = convert(glm5, tmp_path / "ours", recipe, device="cpu")
+    model = glm5 if family == "glm_moe_dsa" else add_word_tokenizer(
+        build_synthetic(family, tmp_path / "bf16", seed=1, fp8=False))
+    prefix = {"glm_moe_dsa": "glm5", "deepseek_v3": "deepseek-v3"}[family]
+    recipe = signround_recipe(tmp_path, base=f"{prefix}-int4-experts-signround-g32", iters=1)
+    result = convert(model, tmp_path / "ours", recipe, device="cpu")
     assert result.calibrated["weights_by_method"] == {"signround": 2 * 8 * 3, "rtn": 8 * 3}
     assert [layer["layer"] for layer in result.calibrated["layers"]] == [1, 2]
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
-    theirs = moe_peer(glm5, recipe)
+    theirs = moe_peer(model, recipe)
     assert len(theirs) == 2 * 2 * 8 * 3
     different = [n for n in theirs if not torch.equal(mine[n], theirs[n])]
     assert not different, different[:5]
-    rtn = convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
+    rtn = convert(model, tmp_path / "rtn", f"{prefix}-int4-experts-g32", device="cpu")
     assert rtn.output_bytes == result.output_bytes
 
 
