@@ -33,6 +33,7 @@ from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
 from quantkit.formats.recipe import Recipe
+from quantkit.formats.weights import decode_weight
 
 
 def _expert(rel: str) -> tuple[int, str]:
@@ -98,7 +99,6 @@ class GPTQ:
         return sum(r.loss or 0.0 for r in records)
 
 
-
 def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor]) -> None:
     """Replace the targets' source weights in ``state`` by their quantized values (as the engine will see them)."""
     from safetensors import safe_open
@@ -106,10 +106,9 @@ def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor
     with safe_open(str(path), framework="pt") as f:
         for t in targets:
             name = f"{t.module}.weight"
-            rows, cols = state[name].shape
-            q = int4.unpack_int4(f.get_tensor(f"{t.module}.weight_packed"), (rows, cols))
-            weight = int4.dequantize_int4(q, f.get_tensor(f"{t.module}.weight_scale"), t.group_size)
-            state[name] = weight.to(state[name].device, state[name].dtype)
+            parts = (f.get_tensor(f"{t.module}.weight_packed"), f.get_tensor(f"{t.module}.weight_scale"),
+                     torch.tensor(state[name].shape))
+            state[name] = decode_weight("int4_packed", parts, state[name].dtype).to(state[name].device)
 
 
 class _Hessians:

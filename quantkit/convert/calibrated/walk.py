@@ -6,10 +6,10 @@ layer's inputs, the way the algorithm says they are made (GPTQ: through the quan
 sequential pipeline propagates errors; SignRound: through the full-precision one). Peak memory: one decoded layer,
 what the algorithm holds for it, and the hidden states.
 
-Each finished layer's packed weights and scales (and zero points) go to ``DST/.quantkit-calibrated/layer-NNNNN
-.safetensors``, written in a thread of their own while the walk goes on, and into the manifest once whole, so a killed
-run redoes no finished layer and gives the same bits. The shard pipeline then writes these tensors where RTN would
-have written its own, so the output format is the RTN recipe's to the byte.
+Each finished layer's packed weights and scales (and zero points) go to
+``DST/.quantkit-calibrated/layer-NNNNN.safetensors``, written in a thread of their own while the walk goes on, and into
+the manifest once whole, so a killed run redoes no finished layer and gives the same bits. The shard pipeline then
+writes these tensors where RTN would have written its own, so the output format is the RTN recipe's to the byte.
 """
 
 from __future__ import annotations
