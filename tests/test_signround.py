@@ -378,7 +378,8 @@ def test_the_shipped_recipe_on_a_gpu_is_as_good_as_llm_compressors_oneshot(smoll
     held-out GSM8K test text by transformers' own loading: perplexity within 1 % of oneshot's (the code before
     81bbc26 measured 7.40 against oneshot's 6.42), and per layer the MLP's output error no worse than oneshot's by
     more than oneshot's own run-to-run spread (measured: oneshot again on the first 4 layers with the calibration
-    sequences in reverse order, which changes the batches AutoRound draws)."""
+    sequences in reverse order, which changes the batches AutoRound draws). On the GPU machine:
+    ``. engines/sglang-gpu-env.sh .gpu/sglang.tar.xz && . engines/llmcompressor-gpu-env.sh``."""
     cal = load_recipe(SHIPPED).calibration
     rows = [b[0].tolist() for b in calibration_batches(DEFAULT_DATA, cal.text_field, cal.samples, cal.seq_len, 1,
                                                        lambda: model_tokenizer(smollm2_bf16), None, require_all=True)]
