@@ -283,9 +283,13 @@ def test_tuned_experts_move_the_models_output_less_than_round_to_nearest(glm5, t
 
 
 def test_a_moe_run_stopped_after_a_layer_resumes_to_the_same_bytes(glm5, tmp_path):
-    """GLM-5's layers hand the next one their DSA top-k indices too: the saved quantized outputs hold them."""
+    """GLM-5's layers hand the next one their DSA top-k indices too: the saved quantized outputs hold them. With the
+    shipped recipes' ``experts: routed`` (each expert computes only the tokens the router sends it)."""
     recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=4)
-    convert(glm5, tmp_path / "reference", recipe, device="cpu")
+    recipe.write_text(recipe.read_text().replace("quant_stage:", "  experts: routed\nquant_stage:", 1))
+    assert load_recipe(recipe).calibration.experts == "routed"
+    reference = convert(glm5, tmp_path / "reference", recipe, device="cpu")
+    assert reference.calibrated["weights_by_method"]["signround"] == 48
 
     class Stopped(Exception):
         pass
