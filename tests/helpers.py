@@ -179,3 +179,22 @@ def mlp_output_errors(source: Path, candidate: Path, batches: list, device: str)
             den = sum(float(want.square().sum()) for _, want in seen)
             errors.append((num / den) ** 0.5)
     return errors
+
+
+def stop_after_first_layer(src: Path, dst: Path, recipe) -> object:
+    """A calibrated conversion stopped as its first layer is reported (an exception from the ``on_layer`` callback,
+    as an interrupted run); that layer's report."""
+    from quantkit.convert import convert
+
+    class Stopped(Exception):
+        pass
+
+    seen = []
+
+    def stop(report, layers):
+        seen.append(report)
+        raise Stopped
+
+    with pytest.raises(Stopped):
+        convert(src, dst, recipe, device="cpu", on_layer=stop)
+    return seen[0]

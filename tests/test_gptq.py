@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import first_layers
+from helpers import first_layers, stop_after_first_layer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint.manifest import load_manifest
 from quantkit.checkpoint.reader import open_checkpoint
-from quantkit.convert import convert, calibration_batches
+from quantkit.convert import calibration_batches, convert
 from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
@@ -223,16 +223,8 @@ def test_output_has_the_rtn_recipes_format_exactly(moe_runs, family):
 def test_resume_after_a_kill_at_any_layer_redoes_no_finished_layer_and_gives_the_same_bytes(moe_runs, tmp_path):
     run = moe_runs["glm_moe_dsa"]
     recipe = run["all-recipe"]
-
-    class Killed(Exception):
-        pass
-
-    def die_after_first(report, layers):
-        raise Killed
-
     dst = tmp_path / "out"
-    with pytest.raises(Killed):
-        convert(run["src"], dst, recipe, device="cpu", on_layer=die_after_first)
+    stop_after_first_layer(run["src"], dst, recipe)
     assert (dst / WORK_DIR / "layer-00001.safetensors").is_file()
     assert not list(dst.glob("model-*.safetensors"))  # no shard before every layer is quantized
     seen = []
@@ -247,16 +239,8 @@ def test_a_run_an_older_quantkit_started_resumes_with_its_finished_layers(moe_ru
     """Before the calibrated walk had one driver, its manifest named the finished layers gptq_layers and
     gptq_modules (for SignRound too) and kept their files in DST/.quantkit-gptq: such a run still resumes."""
     run = moe_runs["glm_moe_dsa"]
-
-    class Killed(Exception):
-        pass
-
-    def die_after_first(report, layers):
-        raise Killed
-
     dst = tmp_path / "out"
-    with pytest.raises(Killed):
-        convert(run["src"], dst, run["all-recipe"], device="cpu", on_layer=die_after_first)
+    stop_after_first_layer(run["src"], dst, run["all-recipe"])
     (dst / WORK_DIR).rename(dst / LEGACY_WORK_DIR)
     manifest = (dst / "quantkit-manifest.json").read_text()
     assert '"calibrated_layers"' in manifest
@@ -331,20 +315,10 @@ def test_signround_tunes_in_the_models_dtype_only(synthetic, tmp_path):
 
 def test_layer_files_carry_each_weights_record(moe_runs, tmp_path):
     run = moe_runs["deepseek_v3"]
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def stop(report, layers):
-        seen.append(report)
-        raise Stop
-
-    with pytest.raises(Stop):
-        convert(run["src"], tmp_path / "out", run["routed-recipe"], device="cpu", on_layer=stop)
+    first = stop_after_first_layer(run["src"], tmp_path / "out", run["routed-recipe"])
     with safe_open(str(tmp_path / "out" / WORK_DIR / "layer-00001.safetensors"), framework="pt") as f:
         records = json.loads(f.metadata()["quantkit_calibrated"])
-    assert len(records) == 8 * 3 and seen[0].weights == 24
+    assert len(records) == 8 * 3 and first.weights == 24
     assert {r["method"] for r in records.values()} == {"gptq", "rtn"}
 
 

@@ -96,7 +96,8 @@ class SignRound:
                  ) -> QuantizedLayer:
         self.q_input = _restore_q_input(self.work, i, self.q_input)
         with experts_as_linears(self.walk.load(i, state), self.config) as layer:
-            tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.q_input, phases)
+            tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.config, self.q_input,
+                                                phases)
         loss = self.losses.pop() if self.losses else None
         _save_q_input(self.work, i, self.q_input)  # before the layer is recorded: a resume at i + 1 starts from it
         records = {t.module: CalibratedModuleRecord(method="signround", tokens=self.tokens, loss=loss) for t in targets}
@@ -158,17 +159,15 @@ def experts_as_linears(layer: torch.nn.Module, config) -> Iterator[torch.nn.Modu
         mlp.experts = experts
 
 
-def _tune_layer(walk, i, layer, targets, recipe, q_input, phases):
+def _tune_layer(walk, i, layer, targets, recipe, config, q_input, phases):
     """llm-compressor's AutoRoundModifier on one decoder layer, as its sequential pipeline calls it; returns the
     targets' packed weights and scales and the layer's quantized outputs for the next layer."""
-    from quantkit.modeling import model_config
-
     AutoRoundModifier, State, DisableQuantization, quantize = llmcompressor_autoround()
     settings = recipe.signround
     root = torch.nn.Module()  # the layer under its name in the whole model, which recipe targets and ignores match
     root.model = torch.nn.Module()
     root.model.layers = torch.nn.ModuleDict({str(i): layer})
-    root.config, root.name_or_path = model_config(walk.ckpt.config), str(walk.ckpt.root)
+    root.config, root.name_or_path = config, str(walk.ckpt.root)
     groups = {name: scheme.model_dump(mode="json") for name, scheme in recipe.config.config_groups.items()}
     modifier = AutoRoundModifier(config_groups=groups, ignore=list(recipe.config.ignore or []), iters=settings.iters,
                                  lr=settings.lr, batch_size=settings.batch_size,
