@@ -63,7 +63,7 @@ def _avx512() -> bool:
     return bool(torch.cpu._is_avx512_supported())
 
 
-@pytest.mark.parametrize("recipe", ["dense-mlp-w4a16-g32", "dense-w4a16-g32"])
+@pytest.mark.parametrize("recipe", ["dense-mlp-w4a16-g32", "dense-w4a16-g32", "dense-mlp-w4a16-asym-g32"])
 def test_vllm_loads_the_int4_outputs(smollm2_bf16, vllm_cmd, tmp_path, recipe):
     out = tmp_path / recipe
     convert(smollm2_bf16, out, recipe, device="cpu")
