@@ -20,8 +20,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from quantkit.errors import QuantkitError
 
@@ -214,8 +218,6 @@ def _order(name: str) -> tuple:
 
 def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmetric: bool) -> None:
     """Every group's KL in every option that fits it, with the rest of the model as the source holds it."""
-    import torch
-
     from quantkit.checkpoint.config import fp8_block_size
     from quantkit.compute_dtype import compute_dtype
     from quantkit.formats import fp8_block, int4
@@ -224,18 +226,24 @@ def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmet
     stored = model_dtype(ckpt.config)
     model = load_model(ckpt.root, compute_dtype(dtype, device, stored), device=device)
     block = fp8_block_size(ckpt.config)
-    with torch.no_grad():
+    layers = model.model.layers
+    with torch.no_grad(), _recorded_outputs(layers) as outputs:
         reference = [torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)
                      for b in batches]
 
-        def kl() -> float:
-            total, tokens = 0.0, 0
-            for b, ref in zip(batches, reference, strict=True):
+    def kl(start: int) -> float:
+        """The KL over the batches, the model run from decoder layer ``start`` on (the source's states before it)."""
+        total, tokens = 0.0, 0
+        with torch.no_grad(), _replayed(layers, outputs, start) as replay:
+            for i, (b, ref) in enumerate(zip(batches, reference, strict=True)):
+                if replay:
+                    replay.batch = i
                 logq = torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)
                 total += float((ref.exp() * (ref - logq)).sum())
                 tokens += b.numel()
-            return total / tokens
+        return total / tokens
 
+    with torch.no_grad():
         for group in groups:
             try:
                 modules = [model.get_submodule(m) for m in group.modules]
@@ -259,9 +267,62 @@ def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmet
                         m.weight.data = int4.fake_quantize_int4(w.to(stored), int(option.removeprefix("int4-g")),
                                                                 symmetric)
                         m.weight.data = m.weight.data.to(w.dtype)
-                group.kl[option] = max(kl(), 0.0)
+                group.kl[option] = max(kl(_first_layer(group)), 0.0)
             for m, w in zip(modules, saved, strict=True):
                 m.weight.data = w
+
+
+def _first_layer(group: Group) -> int:
+    """The first decoder layer a group's weights change: 0 for a group outside the layers (embeddings, head)."""
+    m = re.match(r"^layer (\d+) ", group.name)
+    return int(m.group(1)) if m else 0
+
+
+@contextmanager
+def _recorded_outputs(layers) -> Iterator[list[list]]:
+    """Each decoder layer's output on each batch of the forwards inside, by layer."""
+    outputs: list[list] = [[] for _ in layers]
+    hooks = [layer.register_forward_hook(lambda _m, _a, out, i=i: outputs[i].append(out))
+             for i, layer in enumerate(layers)]
+    try:
+        yield outputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class _Replayed(torch.nn.Module):
+    """Stands in for a decoder layer before ``start``: it passes its input on, or (the last one) returns the source's
+    recorded output for the current batch. A group in layer ``start`` leaves every state before it as the source
+    computes it, so its KL needs only the layers from ``start`` on: half the model on average, the same numbers."""
+
+    def __init__(self, layer: torch.nn.Module, outputs: list | None):
+        super().__init__()
+        self.outputs, self.batch = outputs, 0
+        object.__setattr__(self, "original", layer)  # not a submodule: the model's own stays where it is
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states if self.outputs is None else self.outputs[self.batch]
+
+    def __getattr__(self, name: str):  # what a model's forward reads of its layers (attention_type, ...)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.original, name)
+
+
+@contextmanager
+def _replayed(layers, outputs: list[list], start: int) -> Iterator[_Replayed | None]:
+    """Layers ``0 .. start - 1`` replaced by their recorded result while inside; the last stand-in, or None."""
+    originals = list(layers)
+    stand_ins = [_Replayed(layer, outputs[i] if i == start - 1 else None) for i, layer in enumerate(originals[:start])]
+    try:
+        for i, stand_in in enumerate(stand_ins):
+            layers[i] = stand_in
+        yield stand_ins[-1] if stand_ins else None
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
 
 
 def _choose(groups: list[Group], room: int) -> None:

@@ -110,3 +110,30 @@ def test_fp8_is_offered_only_where_the_engine_can_run_it():
     assert option_bytes("fp8", (1536, 576)) is None  # gate/up_proj of SmolLM2: input 576
     assert option_bytes("fp8", (576, 1536)) == 576 * 1536 + 5 * 12 * 4  # down_proj: input 1536, whole groups
     assert option_bytes("bf16", (1536, 576)) == 1536 * 576 * 2
+
+
+def test_each_group_is_measured_from_its_own_layer_on_and_gives_the_whole_forwards_numbers(sensitive_layer, tmp_path):
+    """The budget runs a layer-L group's forwards from layer L on, the source's recorded states before it: the KL
+    must be the one the whole model's forward gives, to the bit."""
+    from quantkit.calibration_data import calibration_batches, model_tokenizer
+    from quantkit.formats.int4 import fake_quantize_int4
+    from quantkit.modeling import load_model
+
+    src, data = sensitive_layer
+    result = budget(src, recipe="dense-mlp-w4a16-g32", size="1.0", out=tmp_path / "r.yaml", data=data, samples=4,
+                    seq_len=64, device="cpu", dtype="fp32")
+    model = load_model(src, torch.float32)
+    batches = calibration_batches(data, "text", 4, 64, 1, lambda: model_tokenizer(src), 512, require_all=True)
+    with torch.no_grad():
+        reference = [torch.log_softmax(model(input_ids=b).logits.float(), -1) for b in batches]
+        for group in result.groups:
+            layer = int(group.name.split()[1])
+            mlp = model.model.layers[layer].mlp
+            saved = {p: getattr(mlp, f"{p}_proj").weight.data.clone() for p in ("gate", "up", "down")}
+            for p, w in saved.items():
+                getattr(mlp, f"{p}_proj").weight.data = fake_quantize_int4(w.to(torch.bfloat16), 32).float()
+            total = sum(float((ref.exp() * (ref - torch.log_softmax(model(input_ids=b).logits.float(), -1))).sum())
+                        for b, ref in zip(batches, reference, strict=True))
+            assert group.kl["int4-g32"] == max(total / sum(b.numel() for b in batches), 0.0), group.name
+            for p, w in saved.items():
+                getattr(mlp, f"{p}_proj").weight.data = w
