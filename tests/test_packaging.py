@@ -1,5 +1,6 @@
 """A wheel built from the repository works on its own: recipes and suites inside, the command installed."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,23 @@ def test_a_built_wheel_converts_with_a_built_in_recipe(synthetic, tmp_path):
     where = subprocess.run([str(fresh / "bin" / "python"), "-c", "import quantkit.packaged as p; print(p.recipes_dir())"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(where).is_relative_to(site)
+
+
+def test_a_fresh_clone_with_nothing_beside_it_collects_every_test_without_skipping_a_module(tmp_path):
+    """A newcomer's checkout has no ../shared: the evaluation tests take the test sets quantkit ships, so every module
+    that reads benchmark data is collected in full, none skipped for want of a folder beside the repository."""
+    source = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "alone" / "quantkit"  # tmp_path/alone holds nothing else: no shared/ beside the clone
+    subprocess.run(["git", "clone", "-q", str(source), str(clone)], check=True)
+    modules = ["tests/test_evaluation.py", "tests/test_behaviour.py", "tests/test_engines.py", "tests/test_release.py",
+               "tests/test_shared_context.py"]
+
+    def collected(root: Path) -> str:
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
+                              *modules], cwd=root, capture_output=True, text=True, env={**os.environ,
+                              "PYTHONPATH": str(root)})
+        assert run.returncode == 0 and "SKIPPED" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+        return run.stdout.strip().splitlines()[-1].split(" in ")[0]  # "40 tests collected"
+
+    assert not (clone.parent.parent / "shared").exists()
+    assert collected(clone) == collected(source)
