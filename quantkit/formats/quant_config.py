@@ -6,7 +6,8 @@ models parse exactly what compressed-tensors 0.19's ``QuantizationArgs``, ``Quan
 ``QuantizationConfig`` parse (same defaults, the same inferred ``strategy`` and ``zp_dtype``, the
 same refusals) and dump the same JSON: tests/test_quant_config.py holds both libraries' results
 equal over every built-in recipe and a grid of hand-written and generated inputs. The output's
-config.json is still built by compressed-tensors itself (``convert.output_quantization_config``).
+config.json is these models' dump too (``convert.dst.output_quantization_config``), held equal to compressed-tensors'
+own dump of the same config by the same tests.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
-TYPES = ("int", "float")
-STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
-ACTORDERS = ("weight", "static")  # "group"/"dynamic" were removed in compressed-tensors 0.19
 FORMATS = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
            "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision", "nvfp4-pack-quantized",
            "mxfp4-pack-quantized", "mxfp8-quantized")

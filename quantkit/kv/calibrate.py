@@ -77,7 +77,7 @@ def calibrate_kv(
         raise QuantkitError("give either --out DST or --in-place")
     ckpt = open_checkpoint(src)
     family = detect_family(ckpt.config)
-    if "num_attention_heads" not in ckpt.config or not _known_attention(ckpt.config):
+    if "num_attention_heads" not in ckpt.config:
         raise QuantkitError(f"no attention layers quantkit knows in model_type "
                             f"{ckpt.config.get('model_type')!r}", src / "config.json")
     dst = src if in_place or out is None else Path(out)
@@ -116,10 +116,6 @@ def _check_out(src: Path, dst: Path) -> None:
     refuse_inside(src, dst, "--out")
     if dst.exists() and (not dst.is_dir() or any(p.name != LOCK_NAME for p in dst.iterdir())):
         raise QuantkitError("is not empty", dst)
-
-
-def _known_attention(config: dict) -> bool:
-    return "kv_lora_rank" in config or "num_key_value_heads" in config or "num_attention_heads" in config
 
 
 def layerwise_observe(ckpt, batches: list[torch.Tensor], device: str = "cpu",
