@@ -57,6 +57,32 @@ def test_smollm2_on_arc_easy_scores_as_lm_evals_hflm(smollm2_bf16, kv):
         assert sum(a[1] != b[1] for a, b in zip(ours, theirs, strict=True)) <= 2
 
 
+@pytest.mark.slow
+def test_generation_gives_hflms_answers_and_stops_when_every_sequence_has(smollm2_bf16):
+    """GSM8K's first 7 questions in one batch (the 8th loops to any limit): their answers end on different stop
+    strings (the blank line, the end-of-text token), on which HFLM's batch ran to max_gen_toks; ours gives the same
+    answers in far fewer steps."""
+    from transformers import AutoTokenizer
+
+    model = load_model(smollm2_bf16, torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_bf16)
+    rows = [json.loads(line) for line in (evaldata("gsm8k") / "gsm8k" / "test.jsonl").read_text().splitlines()[:7]]
+    args = {"until": ["Question:", "\n\n"], "max_gen_toks": 96, "do_sample": False}
+    requests = [Instance("generate_until", {}, (f"Question: {r['question']}\nAnswer:", dict(args)), i)
+                for i, r in enumerate(rows)]
+    steps = []
+    hook = model.register_forward_pre_hook(lambda *_: steps.append(1))
+    theirs = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8).generate_until(requests, disable_tqdm=True)
+    their_steps, steps[:] = len(steps), []
+    ours = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=8).generate_until(requests,
+                                                                                                 disable_tqdm=True)
+    hook.remove()
+    lengths = [len(tokenizer(a, add_special_tokens=False).input_ids) for a in ours]
+    print(f"answers' tokens {lengths}; steps: HFLM {their_steps}, ours {len(steps)}")
+    assert ours == theirs
+    assert their_steps == 96 and len(steps) <= max(lengths) + 4 < 96  # measured: 96 and 14 steps
+
+
 def test_a_family_not_held_equal_is_scored_by_hflm_itself(synthetic, tmp_path):
     from transformers import AutoTokenizer
 

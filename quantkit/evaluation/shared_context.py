@@ -8,6 +8,13 @@ gives it)`` over about a third of the tokens on ARC, equal to ``HFLM``'s up to t
 matrix products (tests/test_shared_context.py). Rolling log-likelihoods, requests longer than the model's context
 and models whose cache is not a plain per-layer key/value cache (``SHARED_CONTEXT_MODELS`` lists those held equal)
 take ``HFLM``'s own path.
+
+Generation is ``HFLM``'s own, with one change: a sequence stops when it has produced any of the task's stop strings.
+lm-eval 0.4.13 builds one criterion per stop string, each true only once every sequence of the batch has produced
+that same string (``models/utils_hf.py:74-129``), and transformers 5.17 ORs the criteria per sequence
+(``StoppingCriteriaList.__call__``): a batch whose answers end on different stop strings (GSM8K's ``\n\n``, the
+end-of-text token) ran to ``max_gen_toks``, 256 steps where the longest answer took 17. The answers are the same
+tokens, cut at the same place (tests/test_shared_context.py); the steps after a sequence stopped were padding.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+import transformers
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
@@ -26,7 +34,34 @@ SHARED_CONTEXT_MODELS = ("llama",)  # model types tests/test_shared_context.py h
 QUESTIONS_PER_REQUEST, CONTINUATIONS_PER_REQUEST = 2, 4
 
 
+class AnyStopString(transformers.StoppingCriteria):
+    """lm-eval's stop-string criteria, combined per sequence: a sequence is done once any of them saw its string."""
+
+    def __init__(self, criteria: list):
+        self.criteria = criteria
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        for criterion in self.criteria:
+            criterion(input_ids, scores)  # updates its per-sequence done_tracker, lm-eval's own lookback
+        done = [any(c.done_tracker[i] for c in self.criteria) for i in range(input_ids.shape[0])]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 class SharedContextHFLM(HFLM):
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        """HFLM's generation, its stop-string criteria combined per sequence (the module's docstring says why)."""
+        generate = self.model.generate
+
+        def per_sequence(*args, stopping_criteria, **kwargs):
+            return generate(*args, stopping_criteria=transformers.StoppingCriteriaList(
+                [AnyStopString(list(stopping_criteria))]), **kwargs)
+
+        self.model.generate = per_sequence
+        try:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        finally:
+            del self.model.generate
+
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               override_bs: int | None = None) -> list[tuple[float, bool]]:
         if (self.backend != "causal" or getattr(self.model.config, "model_type", None) not in SHARED_CONTEXT_MODELS
