@@ -43,6 +43,7 @@ def write_config(folder: Path, source: Path, **changes) -> Path:
     return path
 
 
+@pytest.mark.slow  # the real SmolLM2 through every stage
 def test_killed_between_stages_resumes_at_the_next_stage(fp8_source, tmp_path):
     config = write_config(tmp_path, fp8_source)
 
@@ -83,6 +84,7 @@ def test_killed_between_stages_resumes_at_the_next_stage(fp8_source, tmp_path):
     assert statuses["eval-baseline"] == "reused" and statuses["calibrate-kv"] == "skipped"
 
 
+@pytest.mark.slow  # the real SmolLM2 through every stage
 def test_a_failing_stage_says_which_why_and_how_to_resume(fp8_source, tmp_path):
     config = write_config(tmp_path, fp8_source, eval__data_dir=str(tmp_path / "no-data"))
     with pytest.raises(ReleaseStopped, match=r"stopped at stage eval-baseline: .*missing data file for task arc_easy"
