@@ -1,15 +1,16 @@
-"""``demo``: four real releases of a real small model, offline, on a laptop CPU.
+"""``demo``: three real releases of a real small model, offline, on a laptop CPU.
 
 SmolLM2-135M-Instruct (fetched from PyPI, see real_models) is written as a block-FP8 source the way
-DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs four times from that source, with the
+DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs three times from that source, with the
 in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the small-model
 suite (eval/suites/small-model.yaml), every candidate with a calibrated FP8 KV cache:
 
-  int4       the MLP to INT4 group 32 by round-to-nearest, attention kept: the GLM 5.x decode-pool
-             recipe's counterpart for a dense model (its MLPs play the routed experts);
-  int4-gptq  the same format, quantized by GPTQ on the built-in GSM8K-train calibration text;
-  int4-budget  the MLP mostly INT4, each layer's format chosen by ``quantkit budget`` to fit the source's
-             bytes with the least measured damage (the most sensitive layers stay BF16);
+  int4       the MLP to asymmetric INT4 group 32 by round-to-nearest, attention kept: the GLM 5.x decode-pool
+             recipe's counterpart for a dense model (its MLPs play the routed experts). Asymmetric RTN is the INT4
+             method that lost fewest items on the demo's own suite, ahead of symmetric RTN and GPTQ
+             (benchmarks/demo_candidates.py; SignRound needs a GPU for its 200 steps a layer);
+  int4-budget  the same INT4, each layer's MLP kept BF16 or not as ``quantkit budget`` chooses to fit the source's
+             bytes with the least measured damage;
   fp8        the MLP kept in its block-FP8 form, attention BF16: the prefill pool's weight format where the engines
              run it. Not on this model: SGLang's block-FP8 Linear quantizes its input in groups of 128 and SmolLM2's
              MLP input is 576 wide (SGLang 0.5.17 failed at its first forward, docs/verify.md), so ``verify`` stops
@@ -33,10 +34,21 @@ from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
 DATA = evaldata_dir()
 SUITE = "small-model"  # built-in (quantkit.suites)
-CANDIDATES = {"int4": "dense-mlp-w4a16-g32", "int4-gptq": "dense-mlp-w4a16-gptq-g32", "int4-budget": None,
-              "fp8": "dense-mlp-fp8-block"}
+@dataclass(frozen=True)
+class Candidate:
+    """A release of the demo: a built-in recipe, or (``budgeted``) the recipe ``quantkit budget`` writes from it."""
+
+    recipe: str
+    budgeted: bool = False
+
+
+# chosen by measurement on the demo's own suite (docs/demo.md, benchmarks/demo_candidates.py): asymmetric RTN lost
+# fewer items than symmetric RTN and than GPTQ, whose 2 minutes of calibration bought nothing measurable here
+CANDIDATES = {"int4": Candidate("dense-mlp-w4a16-asym-g32"),
+              "int4-budget": Candidate("dense-mlp-w4a16-asym-g32", budgeted=True),
+              "fp8": Candidate("dense-mlp-fp8-block")}
 # of the block-FP8 source's bytes. All-INT4 MLPs take 0.949; each MLP kept BF16 (block-FP8 cannot run on its 576-wide
-# input) adds 0.023: the source's own size keeps the two that INT4 hurts most (at 0.97, none fit)
+# input) adds 0.023: the source's own size keeps the ones that INT4 hurts most (at 0.97, none fit)
 BUDGET = "1.0"
 FLIP_SHARE = 0.14  # of ARC-Easy items whose correctness INT4 RTN of the MLP flips on this model (all 2,376 measured)
 
@@ -76,8 +88,10 @@ def demo(
     source_model: str | os.PathLike | None = None,
     on_stage: Callable[[str, StageRecord], None] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    candidates: dict[str, Candidate] = CANDIDATES,
 ) -> DemoResult:
-    """Run the demo in WORKDIR (re-running resumes); ``source_model``: a local BF16 SmolLM2 instead of fetching it."""
+    """Run the demo in WORKDIR (re-running resumes); ``source_model``: a local BF16 SmolLM2 instead of fetching it;
+    ``candidates``: other releases than the demo's own, on the same source, items and suite."""
     import yaml
 
     from quantkit.examples.smollm2 import block_fp8_release, smollm2_checkpoint
@@ -93,13 +107,9 @@ def demo(
     result = DemoResult(str(work), str(source))
     suite = _suite(work, arc_items)
     baseline = work / "baseline-run"
-    budgeted = work / "budget-recipe.yaml"
-    if not budgeted.is_file():  # written once: a re-run resumes with the same recipe
-        from quantkit.budget import budget
-
-        budget(source, recipe="dense-mlp-w4a16-g32", size=BUDGET, out=budgeted, samples=4, seq_len=256, device="cpu")
-    for name, recipe in CANDIDATES.items():
-        recipe = recipe or str(budgeted)
+    for name, candidate in candidates.items():
+        recipe = _budgeted(source, candidate.recipe, work / f"{name}-recipe.yaml") if candidate.budgeted \
+            else candidate.recipe
         config = {
             "source": str(source),
             "recipe": recipe,
@@ -131,6 +141,15 @@ def demo(
                 raise
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _budgeted(source: Path, recipe: str, out: Path) -> str:
+    """The recipe ``budget`` fits into the source's bytes from ``recipe``; written once, so a re-run resumes with it."""
+    if not out.is_file():
+        from quantkit.budget import budget
+
+        budget(source, recipe=recipe, size=BUDGET, out=out, samples=4, seq_len=256, device="cpu")
+    return str(out)
 
 
 def _suite(work: Path, arc_items: int) -> Path:
