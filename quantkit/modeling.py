@@ -10,18 +10,16 @@ error, never a random weight.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
 from quantkit.checkpoint.families import is_mtp
+from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats.weights import decode_weight
-
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def model_dtype(config: dict) -> torch.dtype:
@@ -106,9 +104,10 @@ def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torc
     for name, t in state.items():
         if is_mtp(name, config):
             continue
-        m = _EXPERT.match(name)
+        module, _, param = name.rpartition(".")
+        m = EXPERT.match(module) if param == "weight" else None
         if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            experts.setdefault(m["prefix"], {}).setdefault(int(m["index"]), {})[m["proj"]] = t
         else:
             fused[name] = t
     for prefix, by_index in experts.items():
