@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from quantkit.checkpoint.names import EXPERT, LAYER
 from quantkit.errors import QuantkitError
 
 OPTIONS = ("int4-g128", "int4-g32", "fp8", "bf16")
 MAX_PARAMS = 4_000_000_000  # the whole model is held in memory for the measurement
-_LAYER = re.compile(r"^model\.layers\.(\d{1,6})\.(.+)$")
-_COMPONENTS = (("experts", re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj$"),
+_COMPONENTS = (("experts", EXPERT,
                 r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
                ("shared experts", re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj$"),
                 r"mlp\.shared_experts\.(?:gate|up|down)_proj"),
@@ -191,7 +191,7 @@ def _groups(actions, ckpt, symmetric: bool) -> list[Group]:
     """The base recipe's INT4 weights gathered per decoder layer and component, in layer order."""
     groups: dict[str, Group] = {}
     for a in actions:
-        m = _LAYER.match(a.module)
+        m = LAYER.match(a.module)
         name, pattern = a.module, re.escape(a.module)
         if m:
             for component, matcher, rel in _COMPONENTS:

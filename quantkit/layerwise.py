@@ -39,7 +39,7 @@ class LayerWalk:
         layers compute in (default the model's); weights are decoded in the model's dtype and widened to it."""
         from transformers import AutoModelForCausalLM
 
-        from quantkit.modeling import model_config, model_dtype
+        from quantkit.modeling import keep_in_fp32, model_config, model_dtype
 
         self.ckpt, self.device = ckpt, device
         self.stored = model_dtype(ckpt.config)
@@ -47,6 +47,7 @@ class LayerWalk:
         cfg = model_config(ckpt.config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation=attention)
+        keep_in_fp32(model, self.dtype)  # a router's bias stays FP32, as from_pretrained and the engines keep it
         base = model.model
         with TensorReader(ckpt) as reader:
             base.embed_tokens.to_empty(device=device)

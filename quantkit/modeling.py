@@ -10,18 +10,16 @@ error, never a random weight.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
 from quantkit.checkpoint.families import is_mtp
+from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats.weights import decode_weight
-
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def model_dtype(config: dict) -> torch.dtype:
@@ -106,9 +104,10 @@ def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torc
     for name, t in state.items():
         if is_mtp(name, config):
             continue
-        m = _EXPERT.match(name)
+        module, _, param = name.rpartition(".")
+        m = EXPERT.match(module) if param == "weight" else None
         if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            experts.setdefault(m["prefix"], {}).setdefault(int(m["index"]), {})[m["proj"]] = t
         else:
             fused[name] = t
     for prefix, by_index in experts.items():
@@ -149,6 +148,27 @@ def model_config(config: dict):
     return AutoConfig.for_model(model_type, **data)
 
 
+def keep_in_fp32(model, dtype: torch.dtype) -> None:
+    """Widen to FP32 what transformers' own loading keeps in FP32 whatever the model's dtype (DeepSeek-V3's and
+    GLM-5's router bias ``e_score_correction_bias``): ``from_config`` builds it in ``dtype``, ``from_pretrained``
+    casts it by the model's dtype plan (transformers 5.17 ``PreTrainedModel._get_dtype_plan``), and the engines keep it
+    FP32 (SGLang 0.5.23 ``srt/models/deepseek_v2.py:520-535``, whose comment says GLM-5.2's bias spreads over a few
+    BF16 steps, so BF16 reorders its top-k routing; vLLM 0.33.0 ``model_executor/models/deepseek_v2.py:328-330``).
+    quantkit built it BF16 and rounded a stored FP32 bias into it."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return
+    pattern = build_glob_alternation(list(plan))[0]
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and pattern.search(f"{prefix}.{name}" if prefix else name):
+                    table[name] = type(tensor)(tensor.float()) if isinstance(tensor, torch.nn.Parameter) \
+                        else tensor.float()
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """A transformers model with every weight of ``path`` dequantized into it, strictly, computing in ``dtype``
     (default: the model's). Weights are decoded in the model's dtype first, as the engines decode them, so a wider
@@ -158,13 +178,15 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
 
     ckpt = open_checkpoint(path)
     dtype = dtype or model_dtype(ckpt.config)
-    # FP8 KV-cache scales belong to the engine's cache, not to the model's parameters
-    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in dequantized_state_dict(path).items()
-               if not k.endswith((".k_scale", ".v_scale"))}
+    # FP8 KV-cache scales belong to the engine's cache, not to the model's parameters. Each tensor takes its
+    # parameter's dtype as it loads: one the model keeps in FP32 (a router's e_score_correction_bias) keeps the FP32
+    # values the checkpoint stores, as transformers' own loading and the engines keep them
+    weights = {k: v for k, v in dequantized_state_dict(path).items() if not k.endswith((".k_scale", ".v_scale"))}
     state = fuse_experts(weights, ckpt.config)
     cfg = model_config(ckpt.config)
     with no_init_weights():  # every parameter is loaded below, strictly: a random init was 2 s of each load on a CPU
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    keep_in_fp32(model, dtype)
     expected = set(model.state_dict())
     if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" in expected and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

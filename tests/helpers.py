@@ -14,6 +14,25 @@ from quantkit.evaluation.run_dir import SampleRecord
 from quantkit.evaluation.tasks import TASKS
 from quantkit.packaged import evaldata_dir
 
+
+def quantkit(*args):
+    """The CLI run in-process, as a user types it: every argument a string."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, *fragments, code=1) -> str:
+    """The output is one line holding every fragment, and the exit code is ``code``."""
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert result.exit_code == code and len(lines) == 1, result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
 SHARED_EVALDATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 
 

@@ -15,34 +15,17 @@ import sys
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
-from helpers import add_word_tokenizer, gptq_recipe
+from helpers import add_word_tokenizer, gptq_recipe, one_line_error, quantkit
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.writer import folder_lock
-from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import RunRecord, cache_binding, evaluate
 from quantkit.evaluation.request_cache import RequestCache
 from quantkit.examples.demo import DATA
-
-runner = CliRunner()
-
-
-def quantkit(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, *fragments, code=1):
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert result.exit_code == code and len(lines) == 1, result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
 
 @pytest.fixture(scope="module")
 def models(synthetic, tmp_path_factory):

@@ -10,18 +10,10 @@ import uuid
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
-from typer.testing import CliRunner
+from helpers import quantkit
 
 from quantkit.checkpoint.reader import read_shard_header
 from quantkit.checkpoint.writer import write_safetensors
-from quantkit.cli import app
-
-runner = CliRunner()
-
-
-def quantkit(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
 
 def rewrite(src, tensor, fn):
     """Rewrite the shard holding ``tensor`` with fn applied to its tensor dict."""

@@ -14,28 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
+from helpers import one_line_error, quantkit
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from quantkit.checkpoint.writer import folder_lock, write_safetensors
-from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.verify import verify
 
-runner = CliRunner()
 EXPERT = "model.layers.2.mlp.experts.3.up_proj"
-
-
-def quantkit(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, *fragments, code=1):
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert result.exit_code == code and len(lines) == 1, result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -7,20 +7,14 @@ included: a link planted at an output's path is replaced, never written through.
 from __future__ import annotations
 
 import pytest
+from helpers import quantkit
 from test_gate import suite, write_run
-from typer.testing import CliRunner
 
 from quantkit.checkpoint.reader import open_checkpoint
-from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 
-runner = CliRunner()
 OUTSIDE = b"someone else's file\n"
-
-
-def quantkit(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def plant_link(path, tmp_path):

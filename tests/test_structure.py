@@ -133,3 +133,37 @@ def test_the_checks_catch_what_they_look_for(planted, monkeypatch):
     else:
         graph["quantkit.checkpoint.reader"].add("quantkit.release.gate")
         assert any(layer(b) > layer(a) for a, targets in graph.items() for b in targets)
+
+
+# A family of names has one compiled pattern, in checkpoint/names.py: the regex source text that spells each family
+NAME_FAMILIES = {"a decoder layer's": r"model\\.layers\\.", "a routed expert's": r"(?<![a-z_])experts\)?\\.(\(|\\d)",
+                 "an FP8 KV-cache scale's": r"\[kv\]\)?_scale"}
+NAMES_MODULE = "quantkit.checkpoint.names"
+
+
+def name_patterns(source: str) -> list[tuple[str, str]]:
+    """(family, pattern) for each ``re.compile`` (or ``re.match``, ``re.search``, ``re.fullmatch``) of a string
+    literal in ``source`` that spells a name family."""
+    import re
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("compile", "match", "search", "fullmatch")
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found += [(family, node.args[0].value) for family, spelling in NAME_FAMILIES.items()
+                      if re.search(spelling, node.args[0].value)]
+    return found
+
+
+def test_each_family_of_names_is_one_pattern_in_one_place():
+    copies = {name: found for name, path in MODULES.items() if name != NAMES_MODULE
+              and (found := name_patterns(path.read_text()))}
+    assert not copies
+    assert {family for family, _ in name_patterns(MODULES[NAMES_MODULE].read_text())} == set(NAME_FAMILIES)
+
+
+def test_a_planted_copy_of_a_name_pattern_is_found():
+    planted = 'import re\n_LAYER = re.compile(r"^model\\.layers\\.(\\d+)\\.")\nE = re.compile(r"^mlp\\.experts\\.(\\d+)")\n'
+    assert [family for family, _ in name_patterns(planted)] == ["a decoder layer's", "a routed expert's"]
+    kv = 'import re\ndef f(n):\n    return re.match(r"^model\\.layers\\.\\d+\\.self_attn\\.[kv]_scale$", n)\n'
+    assert [family for family, _ in name_patterns(kv)] == ["a decoder layer's", "an FP8 KV-cache scale's"]

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from quantkit.checkpoint.config import is_moe
+from quantkit.checkpoint.names import LAYER
 
 COMPONENTS = (
     "routed_experts",
@@ -25,7 +26,6 @@ COMPONENTS = (
     "other",
 )
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def detect_family(config: dict) -> Family:
 
 
 def layer_index(name: str) -> int | None:
-    m = _LAYER.match(name)
+    m = LAYER.match(name)
     return int(m.group(1)) if m else None
 
 

@@ -38,7 +38,8 @@ class EngineRules:
     asymmetric: str  # how its INT4 kernels take weight_zero_point (asymmetric groups), read in its source
 
 
-ENGINES = {
+# the serving engines' INT4 kernel rules, by engine (evaluation.engines.ENGINES is another thing: what eval runs on)
+KERNEL_RULES = {
     "sglang": EngineRules(
         "sglang", frozenset({-1, 32, 64, 128}),
         asymmetric="SGLang 0.5.23 loads weight_zero_point for dense INT4 Linears (sglang/srt/layers/quantization/"
@@ -80,6 +81,6 @@ SGLANG_MARLIN = MarlinTiles(
 
 
 def engine_rules(name: str) -> EngineRules:
-    if name not in ENGINES:
-        raise QuantkitError(f"unknown engine {name!r} (known: {', '.join(ENGINES)})")
-    return ENGINES[name]
+    if name not in KERNEL_RULES:
+        raise QuantkitError(f"unknown engine {name!r} (known: {', '.join(KERNEL_RULES)})")
+    return KERNEL_RULES[name]

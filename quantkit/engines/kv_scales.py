@@ -14,9 +14,9 @@ Two questions, both answered per engine from the wheels PyPI serves (SGLang 0.5.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from quantkit.checkpoint.names import KV_SCALE
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 _POOL = "sglang/srt/mem_cache/memory_pool.py"
@@ -35,7 +35,7 @@ def scale_names(layer: int) -> tuple[str, str]:
 
 
 def is_kv_scale(name: str) -> bool:
-    return bool(re.match(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?[kv]_scale$", name))
+    return bool(KV_SCALE.match(name))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from quantkit.checkpoint.config import quantization
+from quantkit.checkpoint.names import EXPERT
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
 # The suffixes a Linear's parameters carry across the formats quantkit reads and writes: unquantized,
@@ -317,13 +318,13 @@ def unplaced_tensors(names: list[str], config: dict, rules: LoaderRules) -> list
 
 
 def _why_unplaced(name: str, config: dict) -> str:
-    if re.search(r"\.[kv]_scale$", name):
+    if name.endswith((".k_scale", ".v_scale")):
         if not _declares_static_fp8_kv(config):
             return "config.json declares no static FP8 kv_cache_scheme, so the engine creates no k/v_scale parameter"
         return "not a name the engine renames onto its attention's k/v_scale"
     if ".indexer." in name and re.search(r"\.(wk|weights_proj)\.weight_(packed|shape)$", name):
         return "the indexer's wk/weights_proj are fused into one bf16 parameter that takes bf16 or block-FP8 only"
-    m = re.search(r"\.experts\.(\d+)\.", name)
-    if m and int(m.group(1)) >= int(config.get("n_routed_experts") or 0):
-        return f"expert {m.group(1)} is outside n_routed_experts={config.get('n_routed_experts')}"
+    m = EXPERT.match(name.rpartition(".")[0])
+    if m and int(m["index"]) >= int(config.get("n_routed_experts") or 0):
+        return f"expert {m['index']} is outside n_routed_experts={config.get('n_routed_experts')}"
     return "the engine's model class has no parameter for this name"

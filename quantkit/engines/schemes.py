@@ -23,11 +23,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from quantkit.checkpoint.names import EXPERT
 from quantkit.engines.kernels import ROW_PARALLEL
 from quantkit.engines.loaders import LoaderRules
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
-_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.(gate|up|down)_proj$")
 # Engine modules built without the quantization config, which never ask it: the DSA indexer's fused wk and
 # weights_proj, always bf16 (SGLang 0.5.23 sglang/srt/layers/attention/dsa/dsa_indexer.py:352-359; vLLM 0.33.0
 # vllm/model_executor/models/deepseek_v2.py:709-718, quant_config=None).
@@ -50,9 +50,9 @@ def engine_modules(linears: Iterable[str], config: dict, rules: LoaderRules) -> 
     fused: dict[str, list[str]] = {}
     experts: dict[str, list[str]] = {}
     for module in linears:
-        moe = _EXPERT.match(module)
+        moe = EXPERT.match(module)
         if moe:
-            experts.setdefault(moe["moe"], []).append(module)
+            experts.setdefault(moe["prefix"], []).append(module)
             continue
         rule, parameter = rules.place(f"{module}.weight", config)
         if rule is None or parameter is None:

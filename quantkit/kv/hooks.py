@@ -53,17 +53,16 @@ def fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def kv_scales_of(path) -> dict[int, tuple[float, float]]:
     """The k_scale / v_scale tensors of a checkpoint: what an FP8 KV emulation run uses."""
-    import re
-
+    from quantkit.checkpoint.names import KV_SCALE
     from quantkit.checkpoint.reader import TensorReader, open_checkpoint
 
     ckpt = open_checkpoint(path)
     found: dict[int, dict[str, float]] = {}
     with TensorReader(ckpt) as reader:
         for name in ckpt.tensors:
-            m = re.match(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$", name)
+            m = KV_SCALE.match(name)
             if m:
-                found.setdefault(int(m.group(1)), {})[m.group(2)] = float(reader.read(name))
+                found.setdefault(int(m["layer"]), {})[m["kv"]] = float(reader.read(name))
     return {i: (s["k"], s["v"]) for i, s in sorted(found.items())}
 
 

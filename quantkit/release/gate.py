@@ -17,7 +17,6 @@ import math
 import os
 import re
 from pathlib import Path
-from statistics import NormalDist
 from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -38,13 +37,16 @@ from quantkit.release.behaviour import (
 )
 from quantkit.release.provenance import provenance_differences
 from quantkit.release.stats import (
+    argmax,
     certifiable_margin,
+    choice_kl,
     design_effect,
     items_for_margin,
     look_alphas,
     paired_binary_interval,
     t_interval,
     z_of,
+    z_tail,
 )
 
 DEFAULT_SUITE = "release"
@@ -336,10 +338,6 @@ def _behaviour_checks(task: str, ids: list[str], runs: list[tuple], spec: Suite,
             runaway_check(task, ids, b, c, spec.runaway_margin, z)]
 
 
-def z_tail(z: float) -> float:
-    return 1 - NormalDist().cdf(z)
-
-
 def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float, candidate) -> SequentialLook:
     """Which look of the suite's plan the candidate's run is, and the alpha that look spends: every task's items are
     the seeded-order prefix at one and the same look (eval --order seeded --fraction t). Looks that round to one item
@@ -446,9 +444,9 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite, clusters: list[str] |
         m, lo, hi = t_interval(d_ll, alpha)
         signals.append(Signal(name="delta loglik of the correct answer", estimate=m, low=lo, high=hi, unit="nats"))
         loglik_ok = lo > -spec.loglik_margin
-        flips = sum(_argmax(b[i].choice_logprobs) != _argmax(c[i].choice_logprobs) for i in with_choices)
+        flips = sum(argmax(b[i].choice_logprobs) != argmax(c[i].choice_logprobs) for i in with_choices)
         signals.append(Signal(name="choice flip rate", estimate=100 * flips / len(with_choices), unit="%"))
-        kls = [_kl(b[i].choice_logprobs, c[i].choice_logprobs) for i in with_choices]
+        kls = [choice_kl(b[i].choice_logprobs, c[i].choice_logprobs) for i in with_choices]
         m, lo, hi = t_interval(kls, alpha)
         signals.append(Signal(name="KL(baseline || candidate) of choices", estimate=m, low=lo, high=hi, unit="nats"))
     passed = True
@@ -463,16 +461,3 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite, clusters: list[str] |
         clusters=len(set(clusters)) if clusters else None, note=note,
     )
 
-
-def _argmax(values: list[float]) -> int:
-    return max(range(len(values)), key=values.__getitem__)
-
-
-def _kl(p_logits: list[float], q_logits: list[float]) -> float:
-    def log_softmax(x):
-        top = max(x)
-        s = math.log(sum(math.exp(v - top) for v in x)) + top
-        return [v - s for v in x]
-
-    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
-    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lq, strict=False))

@@ -30,6 +30,26 @@ import numpy as np
 _NORMAL = NormalDist()
 
 
+def z_tail(z: float) -> float:
+    """The one-sided tail of the standard normal beyond ``z``."""
+    return 1 - NormalDist().cdf(z)
+
+
+def argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def choice_kl(p_logits: list[float], q_logits: list[float]) -> float:
+    """KL(p || q) of two distributions over the same choices, each given by its logits (log-probabilities)."""
+    def log_softmax(x):
+        top = max(x)
+        s = math.log(sum(math.exp(v - top) for v in x)) + top
+        return [v - s for v in x]
+
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lq, strict=False))
+
+
 def z_of(alpha_one_sided: float) -> float:
     return _NORMAL.inv_cdf(1 - alpha_one_sided)
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from quantkit.checkpoint.families import is_linear_weight
+from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.engines.kernels import FUSED_GROUPS, ROW_PARALLEL, SGLANG_MARLIN, EngineRules
 from quantkit.verify.findings import Finding
-from quantkit.verify.structure import EXPERT, Stored
+from quantkit.verify.structure import Stored
 
 
 def engine_findings(ckpt: Checkpoint, stored: dict[str, Stored], rules: EngineRules, tp: int) -> list[Finding]:

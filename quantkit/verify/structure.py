@@ -4,16 +4,14 @@ weight_shape; every expert complete; the MTP layer kept. Read from headers (and 
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
 from quantkit.checkpoint.config import num_experts
 from quantkit.checkpoint.describe import config_mismatches
+from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.verify.findings import Finding
-
-EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate|up|down)_proj$")
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.manifest import CalibratedModuleRecord
+from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
-from quantkit.convert.calibrated.walk import EXPERT, Phases, QuantizedLayer, Target
+from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
@@ -41,7 +42,7 @@ def _expert(rel: str) -> tuple[int, str]:
     m = EXPERT.match(rel)
     if m is None:
         raise ValueError(f"{rel} is not a routed expert's projection")
-    return int(m.group(1)), m.group(2)
+    return int(m["index"]), m["proj"]
 
 
 def llmcompressor_gptq():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from quantkit.checkpoint.manifest import CalibratedModuleRecord, Manifest, ShardRecord
+from quantkit.checkpoint.names import LAYER
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import work_folder, write_safetensors
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 WORK_DIR = ".quantkit-calibrated"
 LEGACY_WORK_DIR = ".quantkit-gptq"  # where runs of quantkit before the rename kept their finished layers
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")  # a routed expert's weight in its layer
 QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point")  # the zero point: asymmetric groups only
 
 
@@ -134,7 +132,7 @@ def calibration_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) 
         for action in shard.actions:
             if action.kind != ActionKind.INT4:
                 continue
-            m = _LAYER.match(action.module)
+            m = LAYER.match(action.module)
             if m is None or int(m.group(1)) >= layers:
                 continue
             assert action.group is not None and action.group_size is not None  # every INT4 action has them
