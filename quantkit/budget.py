@@ -27,17 +27,17 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.names import EXPERT, LAYER
+from quantkit.checkpoint.names import LAYER, layer_expert
 from quantkit.errors import QuantkitError
 
 OPTIONS = ("int4-g128", "int4-g32", "fp8", "bf16")
 MAX_PARAMS = 4_000_000_000  # the whole model is held in memory for the measurement
-_COMPONENTS = (("experts", EXPERT,
-                r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
-               ("shared experts", re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj$"),
+# (component, whether a name inside its decoder layer is one, the recipe regex for the component's names)
+_COMPONENTS = (("experts", layer_expert, r"mlp\.experts\.\d+\.(?:gate|up|down)_proj"),
+               ("shared experts", re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj$").match,
                 r"mlp\.shared_experts\.(?:gate|up|down)_proj"),
-               ("mlp", re.compile(r"^mlp\.(gate|up|down)_proj$"), r"mlp\.(?:gate|up|down)_proj"),
-               ("attention", re.compile(r"^self_attn\..+$"), r"self_attn\.[^.]+(?:\.[^.]+)?"))
+               ("mlp", re.compile(r"^mlp\.(gate|up|down)_proj$").match, r"mlp\.(?:gate|up|down)_proj"),
+               ("attention", re.compile(r"^self_attn\..+$").match, r"self_attn\.[^.]+(?:\.[^.]+)?"))
 
 
 @dataclass
@@ -194,8 +194,8 @@ def _groups(actions, ckpt, symmetric: bool) -> list[Group]:
         m = LAYER.match(a.module)
         name, pattern = a.module, re.escape(a.module)
         if m:
-            for component, matcher, rel in _COMPONENTS:
-                if matcher.match(m.group(2)):
+            for component, is_component, rel in _COMPONENTS:
+                if is_component(m.group(2)):
                     name, pattern = f"layer {m.group(1)} {component}", rf"model\.layers\.{m.group(1)}\.{rel}"
                     break
         group = groups.setdefault(name, Group(name, pattern, [], []))
@@ -211,8 +211,11 @@ def _groups(actions, ckpt, symmetric: bool) -> list[Group]:
     return sorted(groups.values(), key=lambda g: _order(g.name))
 
 
+_GROUP_IN_LAYER = re.compile(r"^layer (\d+) (.+)$")  # a group's name: "layer 29 mlp"
+
+
 def _order(name: str) -> tuple:
-    m = re.match(r"^layer (\d+) (.+)$", name)
+    m = _GROUP_IN_LAYER.match(name)
     return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
 
 
@@ -274,7 +277,7 @@ def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmet
 
 def _first_layer(group: Group) -> int:
     """The first decoder layer a group's weights change: 0 for a group outside the layers (embeddings, head)."""
-    m = re.match(r"^layer (\d+) ", group.name)
+    m = _GROUP_IN_LAYER.match(group.name)
     return int(m.group(1)) if m else 0
 
 

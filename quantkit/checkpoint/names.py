@@ -16,3 +16,10 @@ LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
 EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate|up|down)_proj$")
 # an FP8 KV-cache scale: under the projection (what quantkit writes and the engines load) or beside it (older files)
 KV_SCALE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.(?:[kv]_proj\.)?(?P<kv>[kv])_scale$")
+
+
+def layer_expert(rel: str) -> re.Match | None:
+    """A routed expert's Linear named inside its decoder layer, where the release layouts keep it
+    (``mlp.experts.E.gate_proj``); None for any other name."""
+    m = EXPERT.match(rel)
+    return m if m and m["prefix"] == "mlp.experts" else None

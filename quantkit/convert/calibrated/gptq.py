@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.manifest import CalibratedModuleRecord
-from quantkit.checkpoint.names import EXPERT
+from quantkit.checkpoint.names import layer_expert
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
 from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
@@ -39,7 +39,7 @@ from quantkit.formats.weights import decode_weight
 
 def _expert(rel: str) -> tuple[int, str]:
     """(expert index, projection) of a routed expert's weight inside a decoder layer."""
-    m = EXPERT.match(rel)
+    m = layer_expert(rel)
     if m is None:
         raise ValueError(f"{rel} is not a routed expert's projection")
     return int(m["index"]), m["proj"]
@@ -163,8 +163,8 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
     cal = recipe.gptq.calibration
     hessians = _Hessians(walk.device)
     handles = []
-    dense = [t for t in targets if not EXPERT.match(t.rel)]
-    experts = [t for t in targets if EXPERT.match(t.rel)]
+    dense = [t for t in targets if not layer_expert(t.rel)]
+    experts = [t for t in targets if layer_expert(t.rel)]
     for t in dense:
         module = layer.get_submodule(t.rel)
         if not isinstance(module, torch.nn.Linear):
