@@ -161,12 +161,9 @@ def keep_in_fp32(model, dtype: torch.dtype) -> None:
     if not plan:
         return
     pattern = build_glob_alternation(list(plan))[0]
-    for prefix, module in model.named_modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and pattern.search(f"{prefix}.{name}" if prefix else name):
-                    table[name] = type(tensor)(tensor.float()) if isinstance(tensor, torch.nn.Parameter) \
-                        else tensor.float()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if pattern.search(name):
+            tensor.data = tensor.data.float()
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):

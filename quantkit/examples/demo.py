@@ -34,6 +34,8 @@ from quantkit.release import ReleaseResult, ReleaseStopped, StageRecord, release
 
 DATA = evaldata_dir()
 SUITE = "small-model"  # built-in (quantkit.suites)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A release of the demo: a built-in recipe, or (``budgeted``) the recipe ``quantkit budget`` writes from it."""
