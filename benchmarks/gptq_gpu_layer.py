@@ -1,13 +1,14 @@
-"""One GLM-5-sized MoE layer through quantkit's GPTQ from block-FP8, on a GPU: seconds and peak memory.
+"""One GLM-5-sized MoE layer through quantkit's GPTQ or SignRound from block-FP8, on a GPU: seconds and peak memory.
 
     python benchmarks/gptq_gpu_layer.py --work /tmp/glm5-layer --samples 128 --seq-len 2048 [--experts all|routed]
+        [--algorithm gptq|signround]
 
 Builds a three-layer glm_moe_dsa checkpoint written as a block-FP8 release: layer 0 dense
 (intermediate 12288), layers 1 and 2 MoE with 256 routed experts of width 2048 (top 8) and one shared
 expert, hidden 6144; MLA + DSA attention at the sizes below. Random weights (timing does not depend
-on their values), random calibration token ids. Then ``convert`` with glm5-int4-experts-gptq-g32 on
-``cuda``, and the same checkpoint with the RTN recipe for reference. Prints one JSON object: per GPTQ
-layer the seconds by phase and the peak GPU memory, and the RTN time.
+on their values), random calibration token ids. Then ``convert`` with glm5-int4-experts-gptq-g32 (or
+glm5-int4-experts-signround-g32, at its own 200 steps) on ``cuda``, and the same checkpoint with the RTN recipe for
+reference. Prints one JSON object: per calibrated layer the seconds by phase and the peak GPU memory, and the RTN time.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--experts", default="all", choices=("all", "routed"))
+    parser.add_argument("--algorithm", default="gptq", choices=("gptq", "signround"))
     parser.add_argument("--device", default="cuda", help="cuda, or a list cuda:0,cuda:1 (GPTQ spreads each layer's weights over them)")
     parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
     parser.add_argument("--no-rtn", action="store_true", help="skip the RTN reference conversion")
@@ -105,25 +107,25 @@ def main() -> None:
     data.write_text("".join(json.dumps({"input_ids": torch.randint(0, dims["vocab_size"], (args.seq_len,),
                                                                    generator=gen).tolist()}) + "\n"
                             for _ in range(args.samples)))
-    text = (recipes_dir() / "glm5-int4-experts-gptq-g32.yaml").read_text()
+    text = (recipes_dir() / f"glm5-int4-experts-{args.algorithm}-g32.yaml").read_text()
     head, _, rest = text.partition("quantkit_calibration:\n")
     recipe = work / "recipe.yaml"
     recipe.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {args.samples}\n"
                       f"  seq_len: {args.seq_len}\n  experts: {args.experts}\n" + rest[rest.index("quant_stage:"):])
     layers = []
     t0 = time.perf_counter()
-    result = convert(src, work / f"gptq-{args.experts}", recipe, device=args.device, force=(work / f"gptq-{args.experts}").exists(),
-                     on_layer=lambda r, n: layers.append(r))
-    gptq_s = time.perf_counter() - t0
+    dst = work / f"{args.algorithm}-{args.experts}"
+    result = convert(src, dst, recipe, device=args.device, force=dst.exists(), on_layer=lambda r, n: layers.append(r))
+    calibrated_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if not args.no_rtn:
         convert(src, work / "rtn", "glm5-int4-experts-g32", device=args.device, force=(work / "rtn").exists())
     rtn_s = None if args.no_rtn else time.perf_counter() - t0
     print(json.dumps({
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__, "samples": args.samples, "seq_len": args.seq_len, "experts": args.experts,
+        "torch": torch.__version__, "samples": args.samples, "seq_len": args.seq_len, "experts": args.experts, "algorithm": args.algorithm,
         "tokens": args.samples * args.seq_len, "build_s": round(build_s, 1), "source_bytes": result.source_bytes,
-        "gptq_convert_s": round(gptq_s, 1), "rtn_convert_s": rtn_s and round(rtn_s, 1),
+        "calibrated_convert_s": round(calibrated_s, 1), "rtn_convert_s": rtn_s and round(rtn_s, 1),
         "layers": [{"layer": r.layer, "seconds": round(r.seconds, 1), "phases": {k: round(v, 1) for k, v in r.phases.items()},
                     "peak_gib": round(r.peak_device_bytes / 2**30, 1), "weights": r.weights, "rtn": r.rtn}
                    for r in layers],
