@@ -109,7 +109,6 @@ def budget(
     damage to OUT (a YAML recipe; its measurements in a comment at its top). ``dtype``: what the model computes in
     (compute_dtype.py); each option's weights are quantized from the stored dtype, as convert quantizes them."""
     from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
-    from quantkit.checkpoint.config import check_context
     from quantkit.checkpoint.inspection import inspect_checkpoint
     from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.checkpoint.writer import refuse_inside
@@ -127,7 +126,7 @@ def budget(
     if params > MAX_PARAMS:
         raise QuantkitError(f"{params:,} parameters: the budget measures each group on the whole model in memory, "
                             f"for models up to {MAX_PARAMS:,}", src)
-    check_context(ckpt.config, seq_len, "--seq-len", src / "config.json")
+    ckpt.config.check_context(seq_len, "--seq-len")
     out_path = Path(out)
     refuse_inside(src, out_path, "--out")
     if out_path.exists() and not out_path.is_file():
@@ -150,7 +149,7 @@ def budget(
     dev = resolve_device(device)
     data_path = Path(data) if data else DEFAULT_DATA
     batches = calibration_batches(data_path, "text", samples, seq_len, 1, lambda: model_tokenizer(src),
-                                  ckpt.config.get("vocab_size"), require_all=True)
+                                  ckpt.config.vocab_size, require_all=True)
     _measure(ckpt, groups, batches, dev, dtype, symmetric)
     room = budget_bytes - others
     while True:  # the headers of the chosen formats differ a little from the base's: shrink the room until it fits
@@ -221,14 +220,13 @@ def _order(name: str) -> tuple:
 
 def _measure(ckpt, groups: list[Group], batches, device: str, dtype: str, symmetric: bool) -> None:
     """Every group's KL in every option that fits it, with the rest of the model as the source holds it."""
-    from quantkit.checkpoint.config import fp8_block_size
     from quantkit.compute_dtype import compute_dtype
     from quantkit.formats import fp8_block, int4
     from quantkit.modeling import load_model, model_dtype
 
     stored = model_dtype(ckpt.config)
     model = load_model(ckpt.root, compute_dtype(dtype, device, stored), device=device)
-    block = fp8_block_size(ckpt.config)
+    block = ckpt.config.fp8_block
     layers = model.model.layers
     with torch.no_grad(), _recorded_outputs(layers) as outputs:
         reference = [torch.log_softmax(model(input_ids=b.to(device), use_cache=False).logits.float(), -1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.config import fp8_block_size, model_dtype_code
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.families import is_mtp
 from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
@@ -22,8 +22,8 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.weights import decode_weight
 
 
-def model_dtype(config: dict) -> torch.dtype:
-    return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[model_dtype_code(config)])
+def model_dtype(config: ModelConfig) -> torch.dtype:
+    return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[config.dtype_code])
 
 
 def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torch.dtype | None = None,
@@ -47,7 +47,7 @@ def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torc
     scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
     if scale_name is None:
         raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
-    return decode_weight("fp8_block", (t, reader.read(scale_name).to(device)), dtype, fp8_block_size(ckpt.config))
+    return decode_weight("fp8_block", (t, reader.read(scale_name).to(device)), dtype, ckpt.config.fp8_block)
 
 
 def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -96,7 +96,7 @@ def meta_structure_mismatches(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
-def fuse_experts(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+def fuse_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """On-disk names -> transformers 5.x names: experts stacked into gate_up_proj / down_proj,
     MTP layers dropped (transformers does not build them)."""
     fused: dict[str, torch.Tensor] = {}
@@ -139,11 +139,11 @@ def unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_config(config: dict):
+def model_config(config: ModelConfig):
     """A transformers config object without quantization_config (weights arrive dequantized)."""
     from transformers import AutoConfig
 
-    data = {k: v for k, v in config.items() if k != "quantization_config"}
+    data = {k: v for k, v in config.raw.items() if k != "quantization_config"}
     model_type = data.pop("model_type")
     return AutoConfig.for_model(model_type, **data)
 

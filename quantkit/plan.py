@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.charts import check_chart_path, figure
-from quantkit.checkpoint.config import quantization
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, release_stores_fp8
 from quantkit.checkpoint.layout import model_tensors
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
@@ -186,7 +186,7 @@ class _ComponentOf:
     """``component(name)``, worked out once per module (a module's tensors are one component's): a plan of a
     700 GB checkpoint asks it for 60,000 modules some 240,000 times."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: ModelConfig):
         self.config = config
         self.of: dict[str, str] = {}
 
@@ -211,16 +211,16 @@ ASSUMPTIONS = [
 ]
 
 
-def kv_bytes_per_token(config: dict, family, tp: int, dtype_bytes: int) -> int:
-    layers = int(config.get("num_hidden_layers", 0))
+def kv_bytes_per_token(config: ModelConfig, family, tp: int, dtype_bytes: int) -> int:
+    layers = config.layers
     if family.attention == "mla":
-        per_layer = (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])) * dtype_bytes
-        if family.has_indexer and config.get("index_head_dim"):
-            d = int(config["index_head_dim"])
+        per_layer = (config.size("kv_lora_rank") + config.size("qk_rope_head_dim")) * dtype_bytes
+        if family.has_indexer and config.index_head_dim:
+            d = config.index_head_dim
             per_layer += d + 4 * math.ceil(d / INDEXER_SCALE_BLOCK)
         return per_layer * layers
-    heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    heads = config.num_key_value_heads or config.size("num_attention_heads")
+    head_dim = config.head_dim or config.size("hidden_size") // config.size("num_attention_heads")
     return 2 * math.ceil(heads / tp) * head_dim * dtype_bytes * layers
 
 
@@ -298,26 +298,26 @@ def _memory_bars(ax, report: PlanReport) -> None:
 @gc_paused
 def virtual_checkpoint(root: Path) -> Checkpoint:
     """The tensors a release of this config would hold, from config.json alone (no data)."""
-    from quantkit.checkpoint.config import model_dtype_code
     from quantkit.checkpoint.families import mtp_extra_shapes
     from quantkit.checkpoint.reader import read_config
 
     config = read_config(root)
-    n_mtp = int(config.get("num_nextn_predict_layers") or 0)
-    if not config.get("num_hidden_layers"):
+    n_mtp = config.num_nextn_predict_layers or 0
+    if not config.num_hidden_layers:
         raise QuantkitError("num_hidden_layers missing: cannot size a model from this config "
                             "alone", root / "config.json")
-    layers = int(config["num_hidden_layers"])
-    shaped = dict(config, num_hidden_layers=layers + n_mtp)
+    layers = config.num_hidden_layers
+    raw = config.raw | {"num_hidden_layers": layers + n_mtp}
     for per_layer in ("mlp_layer_types", "layer_types", "indexer_types", "index_topk_pattern"):
-        if isinstance(shaped.get(per_layer), (list, str)):  # the MTP layers are laid out as the last decoder layer
-            shaped[per_layer] = shaped[per_layer] + shaped[per_layer][-1:] * n_mtp
-    dtype = model_dtype_code(config)
+        if isinstance(raw.get(per_layer), (list, str)):  # the MTP layers are laid out as the last decoder layer
+            raw[per_layer] = raw[per_layer] + raw[per_layer][-1:] * n_mtp
+    shaped = ModelConfig.read(raw, config.path)
+    dtype = config.dtype_code
     state = model_tensors(shaped, dtype) or meta_model_tensors(shaped, dtype)
     for index in range(layers, layers + n_mtp):
         for name, shape in mtp_extra_shapes(config).items():
             state[f"model.layers.{index}.{name}"] = (dtype, shape)
-    fp8 = quantization(config).fp8_release
+    fp8 = config.quantization.fp8_release
     tensors: dict[str, TensorInfo] = {}
     for name, (code, shape) in state.items():
         if fp8 and release_stores_fp8(name, len(shape)):
@@ -329,7 +329,7 @@ def virtual_checkpoint(root: Path) -> Checkpoint:
     return Checkpoint(root=root, config=config, shards=[], tensors=tensors, other_files=[])
 
 
-def meta_model_tensors(config: dict, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+def meta_model_tensors(config: ModelConfig, dtype: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What transformers' model of ``config``, built on the meta device, holds (per-expert names)."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -306,6 +306,11 @@ BOUNDARIES = {
     "config: quantization_config a string": (lambda s: edit_json(s / "config.json", set_key("quantization_config", "fp8")),
                                              "quantization_config is a str"),
     "config: not JSON": (lambda s: (s / "config.json").write_text("{oops") and "config.json", "invalid JSON"),
+    # fields ModelConfig types that check_config does not bound
+    "config: tie_word_embeddings a word": (lambda s: edit_json(s / "config.json", set_key("tie_word_embeddings", "maybe")),
+                                           "tie_word_embeddings: Input should be a valid boolean"),
+    "config: architectures a number": (lambda s: edit_json(s / "config.json", set_key("architectures", 3)),
+                                       "architectures: Input should be a valid list"),
 }
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.checkpoint.inspection import inspect_checkpoint
-from quantkit.checkpoint.reader import open_checkpoint
+from quantkit.checkpoint.reader import open_checkpoint, read_config
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 from quantkit.checkpoint.describe import config_mismatches
@@ -29,7 +29,7 @@ def logits(model, seed=0):
 
 def fake_quant_reference(src, family, group_size):
     """The source model with its targeted weights quantized-dequantized in place."""
-    config = json.loads((src / "config.json").read_text())
+    config = read_config(src)
     pattern = EXPERT if family != "llama" else LINEAR
     state = {k: fake_quantize_int4(v, group_size) if pattern.match(k) else v for k, v in dequantized_state_dict(src).items()}
     model = AutoModelForCausalLM.from_config(model_config(config), dtype=torch.bfloat16)
@@ -76,7 +76,7 @@ def test_output_layout_and_config(synthetic, tmp_path, family):
     src, out = synthetic[family], tmp_path / "out"
     convert(src, out, RECIPE_FOR[family], device="cpu", max_shard_size="1MB")
     ckpt = open_checkpoint(out)
-    qc = ckpt.config["quantization_config"]
+    qc = ckpt.config.quantization_config
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["quantization_status"] == "compressed"
     assert config_mismatches(ckpt) == []
@@ -92,7 +92,7 @@ def test_output_layout_and_config(synthetic, tmp_path, family):
         info, scale = ckpt.tensors[name], ckpt.tensors[f"{m}.weight_scale"]
         assert info.dtype == "I32" and scale.dtype == "BF16" and ckpt.tensors[f"{m}.weight_shape"].dtype == "I64"
     if family != "llama":  # the MTP layer's experts are converted, its eh_proj is kept
-        n = ckpt.config["num_hidden_layers"]
+        n = ckpt.config.num_hidden_layers
         assert f"model.layers.{n}.mlp.experts.0.up_proj.weight_packed" in ckpt.tensors
         assert ckpt.tensors[f"model.layers.{n}.eh_proj.weight"].dtype == "BF16"
         assert ckpt.tensors["model.layers.1.mlp.gate.weight"].dtype == "BF16"
@@ -117,7 +117,7 @@ def test_mixed_recipe_keeps_fp8_block_linears(synthetic, tmp_path):
     src, out = synthetic["glm_moe_dsa"], tmp_path / "out"
     convert(src, out, "glm5-int4-experts-g128-fp8", device="cpu")
     ckpt = open_checkpoint(out)
-    qc = ckpt.config["quantization_config"]
+    qc = ckpt.config.quantization_config
     assert qc["format"] == "mixed-precision"
     assert qc["config_groups"]["fp8_block"]["format"] == "float-quantized"
     assert config_mismatches(ckpt) == []

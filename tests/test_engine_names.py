@@ -12,6 +12,7 @@ import torch
 from conftest import RECIPE_FOR
 from engine_source import Missing, engine_definition, engine_module, engine_wheel, lines, sha256, source, wheel_version
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.checkpoint.writer import write_safetensors
 from quantkit.convert import convert
@@ -105,7 +106,7 @@ CASES = [
 
 @pytest.mark.parametrize("engine, config, name, expected", CASES, ids=[f"{c[0]}-{c[1]['model_type']}-{c[2]}" for c in CASES])
 def test_where_the_engine_loads_each_name(engine, config, name, expected):
-    rule, parameter = loader_rules(engine, config["model_type"]).place(name, config)
+    rule, parameter = loader_rules(engine, config["model_type"]).place(name, ModelConfig.read(config))
     got = None if rule is None or rule.skipped else (DROPPED if parameter is None else parameter)
     assert got == expected
 
@@ -113,7 +114,7 @@ def test_where_the_engine_loads_each_name(engine, config, name, expected):
 def test_every_rule_has_a_case():
     used = set()
     for engine, config, name, _ in CASES:
-        rule, _ = loader_rules(engine, config["model_type"]).place(name, config)
+        rule, _ = loader_rules(engine, config["model_type"]).place(name, ModelConfig.read(config))
         used.add(id(rule))
     missing = [(r.engine, r.model_class.split()[0], rule.pattern) for r in LOADERS for rule in r.rules if id(rule) not in used]
     assert missing == []
@@ -400,7 +401,7 @@ class _Rows:
 
 
 def _expected(ckpt, engine):
-    rules = loader_rules(engine, ckpt.config["model_type"])
+    rules = loader_rules(engine, ckpt.config.model_type)
     return {n: rules.place(n, ckpt.config)[1] for n in ckpt.tensors}
 
 
@@ -447,11 +448,11 @@ def test_sglang_deepseek_loader_puts_every_tensor_where_the_rules_say(sglang_whe
             pass
 
     model = Model()
-    model.config = SimpleNamespace(**ckpt.config)
+    model.config = SimpleNamespace(**ckpt.config.raw)
     model.quant_config = None
     model.pp_group = SimpleNamespace(is_last_rank=True)
     model.num_fused_shared_experts = 0
-    model.model = SimpleNamespace(start_layer=0, end_layer=ckpt.config["num_hidden_layers"])
+    model.model = SimpleNamespace(start_layer=0, end_layer=ckpt.config.num_hidden_layers)
     model.named_parameters = lambda: recorder.params.items()
     model.do_load_weights(recorder.stream(ckpt))
     _assert_engine_agrees(recorder, expected)
@@ -519,7 +520,7 @@ def test_vllm_deepseek_loader_puts_every_tensor_where_the_rules_say(vllm_wheel, 
                     "scaled_dequantize": lambda w, s, group_shape, out_dtype: torch.zeros(w.shape, dtype=out_dtype)})
     g["_try_load_fp8_indexer_wk"] = engine_definition(vllm_wheel, VL_DS, "_try_load_fp8_indexer_wk", helpers)
     load_weights = engine_definition(vllm_wheel, VL_DS, "DeepseekV2Model.load_weights", g)
-    model = SimpleNamespace(config=SimpleNamespace(**ckpt.config), use_mha=False, is_fused_shared_expert_enabled=False,
+    model = SimpleNamespace(config=SimpleNamespace(**ckpt.config.raw), use_mha=False, is_fused_shared_expert_enabled=False,
                             num_redundant_experts=0, named_parameters=lambda: recorder.params.items())
     mapper = _vllm_autoloader_mapper(vllm_wheel)
     renamed = {}
@@ -555,7 +556,7 @@ def test_sglang_llama_loader_puts_every_tensor_where_the_rules_say(sglang_wheel,
     g = {"maybe_remap_kv_scale_name": remap, "get_layer_id": get_layer_id, "default_weight_loader": Missing("default_weight_loader"),
          "logger": SimpleNamespace(warning=warnings.append), "Iterable": object, "Tuple": object, "torch": torch}
     load = engine_definition(sglang_wheel, "sglang/srt/models/llama.py", "LlamaForCausalLM._legacy_load_weights", g)
-    model = SimpleNamespace(config=SimpleNamespace(**ckpt.config), model=SimpleNamespace(start_layer=0, end_layer=2),
+    model = SimpleNamespace(config=SimpleNamespace(**ckpt.config.raw), model=SimpleNamespace(start_layer=0, end_layer=2),
                             named_parameters=lambda: recorder.params.items())
     load(model, recorder.stream(ckpt))
     _assert_engine_agrees(recorder, expected)

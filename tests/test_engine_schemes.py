@@ -79,7 +79,7 @@ def engines_choice(get_scheme_dict, engine, module, qc, fused) -> str | None:
 
 def quantkits_choice(matching, module, config) -> str | None:
     try:
-        return group_of(config["quantization_config"], matching.select(module, config))
+        return group_of(config.quantization_config, matching.select(module, config))
     except SchemeError:
         return "refused"
 
@@ -90,7 +90,7 @@ def written(synthetic, smollm2_config, recipe, source="synthetic"):
     path = smollm2_config if source == "smollm2" else synthetic[family]
     ckpt = open_checkpoint(path)
     plan = plan_conversion(ckpt, load_recipe(recipe), 5 * 10**9)
-    config = dict(ckpt.config, quantization_config=output_quantization_config(load_recipe(recipe), plan, ckpt.config))
+    config = ckpt.config.with_quantization(output_quantization_config(load_recipe(recipe), plan, ckpt.config))
     return config, linear_groups(plan)
 
 
@@ -109,11 +109,11 @@ CASES = [(r, "synthetic") for r in RECIPES] + [(r, "smollm2") for r in RECIPES i
 def test_every_engine_module_gets_the_scheme_its_weights_are_stored_in(synthetic, smollm2_config, get_scheme_dict,
                                                                        recipe, source, engine):
     config, groups = written(synthetic, smollm2_config, recipe, source)
-    rules, matching = loader_rules(engine, config["model_type"]), scheme_matching(engine, config["model_type"])
+    rules, matching = loader_rules(engine, config.model_type), scheme_matching(engine, config.model_type)
     modules = engine_modules(groups, config, rules)
     assert {m.kind for m in modules} >= {"linear"}
     for module in modules:
-        theirs = engines_choice(get_scheme_dict, engine, module, config["quantization_config"],
+        theirs = engines_choice(get_scheme_dict, engine, module, config.quantization_config,
                                 matching.packed_modules(config))
         assert quantkits_choice(matching, module, config) == theirs, module
         assert {theirs} == {groups[m] for m in module.members}, (module, theirs)
@@ -128,12 +128,12 @@ def test_the_recipes_own_targets_and_ignore_are_refused_by_sglang(synthetic, smo
     attention - the error the H200 boot met - and quantkit's restatement says the same."""
     config, groups = written(synthetic, smollm2_config, recipe)
     rec = load_recipe(recipe)
-    qc = config["quantization_config"]
+    qc = config.quantization_config
     qc["ignore"] = list(rec.config.ignore or [])
     qc["config_groups"] = {g: dict(s, targets=rec.config.config_groups[g].targets) for g, s in
                            qc["config_groups"].items()}
-    matching = scheme_matching("sglang", config["model_type"])
-    module = next(m for m in engine_modules(groups, config, loader_rules("sglang", config["model_type"]))
+    matching = scheme_matching("sglang", config.model_type)
+    module = next(m for m in engine_modules(groups, config, loader_rules("sglang", config.model_type))
                   if m.name == refused)
     assert engines_choice(get_scheme_dict, "sglang", module, qc, matching.packed_modules(config)) == "refused"
     assert quantkits_choice(matching, module, config) == "refused"

@@ -69,7 +69,7 @@ def test_calibrate_kv_in_place_never_writes_its_plot_through_a_link_in_the_model
     calibrate_kv(out, in_place=True, batches=[torch.randint(0, 512, (1, 16)) for _ in range(2)], device="cpu")
     assert tokenizer.read_bytes() == before
     assert not (out / "kv_scales.png").is_symlink() and (out / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
-    assert open_checkpoint(out).config["quantization_config"]["kv_cache_scheme"]
+    assert open_checkpoint(out).config.quantization_config["kv_cache_scheme"]
 
 
 # --- Outputs never land in a model folder a command reads ------------------------------------------
@@ -334,7 +334,7 @@ def test_release_resume_after_the_source_was_replaced_runs_every_stage_again(syn
         release(config, resume=True, on_stage=seen.append)
     assert [(r.stage, r.status) for r in seen] == [("plan", "ran"), ("convert", "ran"), ("calibrate-kv", "skipped"),
                                                    ("verify", "ran")]
-    assert open_checkpoint(tmp_path / "release-work" / "model").config["num_hidden_layers"] == 3
+    assert open_checkpoint(tmp_path / "release-work" / "model").config.num_hidden_layers == 3
 
 
 # --- budget carries its base recipe through ---------------------------------------------------------

@@ -142,7 +142,7 @@ def test_an_asymmetric_conversion_is_what_compressed_tensors_compressor_writes(s
     assert torch.equal(out[f"{module}.weight_scale"], scale)
     assert result.tensors_by_group == {"routed_experts": 72}
     assert sum(n.endswith("weight_zero_point") for n in out) == 72
-    config = open_checkpoint(tmp_path / "asym").config["quantization_config"]["config_groups"]["routed_experts"]
+    config = open_checkpoint(tmp_path / "asym").config.quantization_config["config_groups"]["routed_experts"]
     assert config["weights"] == {**asym_args(32).model_dump(mode="json"), "observer": config["weights"]["observer"]}
     for engine in ("sglang", "vllm"):
         report = verify(tmp_path / "asym", source=synthetic["glm_moe_dsa"], engine=engine)

@@ -155,7 +155,7 @@ def test_output_layout_and_cli(smollm2_bf16, tmp_path):
     ckpt = open_checkpoint(dst)
     k7 = ckpt.tensors["model.layers.7.self_attn.k_proj.k_scale"]  # the names the engines load (docs/FORMATS-engines.md)
     assert k7.dtype == "F32" and k7.shape == ()
-    assert ckpt.config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    assert ckpt.config.quantization_config["kv_cache_scheme"]["type"] == "float"
     assert json.loads((dst / "kv_scales.json").read_text())["layers"]["7"]["k_scale"] == pytest.approx(result["scales"]["7"][0])
     assert (dst / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
     assert "quantization_config" not in json.loads((smollm2_bf16 / "config.json").read_text())  # source untouched

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.layout import model_tensors
 from quantkit.examples.synthetic import tiny_config
 from quantkit.plan import meta_model_tensors, virtual_checkpoint
@@ -54,7 +55,7 @@ CONFIGS = {
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_layout_equals_the_meta_model(case, dtype):
     model_type, config = CONFIGS[case]
-    config = dict(config, model_type=model_type)
+    config = ModelConfig.read(dict(config, model_type=model_type))
     ours = model_tensors(config, dtype)
     assert ours is not None, "this config is meant to be covered"
     assert list(ours.items()) == list(meta_model_tensors(config, dtype).items())
@@ -71,7 +72,7 @@ def test_configs_it_does_not_cover_go_to_the_meta_model(model_type, change):
     family = "llama" if model_type in ("llama", "qwen2") else model_type
     config = dict(tiny(family), model_type=model_type, **change)
     config = {k: v for k, v in config.items() if v is not None or k == "q_lora_rank"}
-    assert model_tensors(config, "BF16") is None
+    assert model_tensors(ModelConfig.read(config), "BF16") is None
 
 
 def test_plan_from_config_alone_lists_the_mtp_layer_and_fp8_scales(tmp_path):

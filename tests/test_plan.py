@@ -5,6 +5,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.families import detect_family
 from quantkit.cli import app
 from quantkit.convert import convert
@@ -38,13 +39,15 @@ def test_prediction_equals_convert_for_every_recipe(synthetic, tmp_path, recipe)
 
 
 def test_kv_bytes_per_token_by_attention_type():
-    mla = {"num_hidden_layers": 78, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-    assert kv_bytes_per_token(mla, detect_family({"model_type": "deepseek_v3"}), 8, 2) == 78 * 576 * 2
-    dsa = dict(mla, index_head_dim=128)
+    mla = ModelConfig.read({"model_type": "deepseek_v3", "num_hidden_layers": 78, "kv_lora_rank": 512,
+                            "qk_rope_head_dim": 64})
+    assert kv_bytes_per_token(mla, detect_family(mla), 8, 2) == 78 * 576 * 2
+    dsa = ModelConfig.read(mla.raw | {"model_type": "glm_moe_dsa", "index_head_dim": 128})
     # the DSA indexer adds 128 FP8 bytes + one fp32 scale per token and layer; replicated, tp does not divide it
-    assert kv_bytes_per_token(dsa, detect_family({"model_type": "glm_moe_dsa"}), 8, 1) == 78 * (576 + 132)
-    gqa = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
-    llama = detect_family({"model_type": "llama"})
+    assert kv_bytes_per_token(dsa, detect_family(dsa), 8, 1) == 78 * (576 + 132)
+    gqa = ModelConfig.read({"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+                            "num_key_value_heads": 3, "hidden_size": 576})
+    llama = detect_family(gqa)
     assert kv_bytes_per_token(gqa, llama, 1, 2) == 2 * 3 * 64 * 2 * 30
     assert kv_bytes_per_token(gqa, llama, 8, 2) == 2 * 1 * 64 * 2 * 30  # at least one KV head per rank
 

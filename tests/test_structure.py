@@ -167,3 +167,32 @@ def test_a_planted_copy_of_a_name_pattern_is_found():
     assert [family for family, _ in name_patterns(planted)] == ["a decoder layer's", "a routed expert's"]
     kv = 'import re\ndef f(n):\n    return re.match(r"^model\\.layers\\.\\d+\\.self_attn\\.[kv]_scale$", n)\n'
     assert [family for family, _ in name_patterns(kv)] == ["a decoder layer's", "an FP8 KV-cache scale's"]
+
+
+# read_config: the one read of config.json, into checkpoint/config.py's ModelConfig
+CONFIG_READER = "quantkit.checkpoint.reader"
+
+
+def raw_config_reads(source: str) -> int:
+    """Calls that read config.json's text or JSON themselves (``(p / "config.json").read_text()``, ``json.loads(...)``
+    or ``open(...)`` of it) instead of asking ``read_config`` for the checked, typed ModelConfig."""
+    readers = {"read_text", "read_bytes", "open", "load", "loads"}
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name in readers and any(isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node)):
+            lines.add(node.lineno)
+    return len(lines)
+
+
+def test_config_json_is_read_in_one_place():
+    reads = {name: n for name, path in MODULES.items() if (n := raw_config_reads(path.read_text()))}
+    assert not set(reads) - {CONFIG_READER}, reads
+
+
+def test_a_planted_raw_config_read_is_found():
+    planted = ('import json\ndef f(p):\n    c = json.loads((p / "config.json").read_text())\n'
+               '    with open(p / "config.json") as fh:\n        return c, fh.read()\n')
+    assert raw_config_reads(planted) == 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.formats.recipe import WRITTEN_FORMAT, Recipe
@@ -23,7 +22,7 @@ class Mismatch:
 
 def described_by(ckpt: Checkpoint) -> Recipe | None:
     """The checkpoint's compressed-tensors quantization_config, read as a recipe for lookups."""
-    config = quantization(ckpt.config, ckpt.root / "config.json").compressed()
+    config = ckpt.config.quantization.compressed()
     return None if config is None else Recipe("config", "", config)
 
 

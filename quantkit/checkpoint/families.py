@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.checkpoint.config import is_moe
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.names import LAYER
 
 COMPONENTS = (
@@ -46,14 +46,13 @@ FAMILIES = (
 )
 
 
-def detect_family(config: dict) -> Family:
-    model_type = config.get("model_type", "")
+def detect_family(config: ModelConfig) -> Family:
+    model_type = config.model_type
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    moe = is_moe(config)
-    attention = "mla" if "kv_lora_rank" in config else "gqa"
-    return Family(model_type or "unknown", (model_type,), moe=moe, attention=attention)
+    attention = "mla" if config.declares("kv_lora_rank") else "gqa"
+    return Family(model_type or "unknown", (model_type,), moe=config.is_moe, attention=attention)
 
 
 def layer_index(name: str) -> int | None:
@@ -61,13 +60,14 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_mtp(name: str, config: dict) -> bool:
+def is_mtp(name: str, config: ModelConfig) -> bool:
     """Multi-token-prediction layers sit after the decoder layers: index >= num_hidden_layers."""
     index = layer_index(name)
-    return index is not None and index >= int(config.get("num_hidden_layers", 1 << 30))
+    layers = config.num_hidden_layers
+    return index is not None and layers is not None and index >= layers
 
 
-def component(name: str, config: dict) -> str:
+def component(name: str, config: ModelConfig) -> str:
     if is_mtp(name, config):
         return "mtp"
     if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
@@ -110,9 +110,9 @@ def release_stores_fp8(name: str, ndim: int) -> bool:
     return name.endswith(".weight") and ndim == 2 and not any(part in name for part in _RELEASE_KEEPS_BF16)
 
 
-def mtp_extra_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def mtp_extra_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a DeepSeek-V3-style MTP layer holds besides a decoder layer's (local names)."""
-    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    hidden, vocab = config.size("hidden_size"), config.size("vocab_size")
     return {
         "embed_tokens.weight": (vocab, hidden),
         "enorm.weight": (hidden,),

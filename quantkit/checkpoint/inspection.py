@@ -10,7 +10,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from quantkit.checkpoint.config import quantization
 from quantkit.checkpoint.families import COMPONENTS, component, detect_family, is_mtp, layer_index
 from quantkit.checkpoint.reader import Checkpoint, TensorInfo, open_checkpoint
 
@@ -53,11 +52,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
     mtp = {layer_index(n) for n in ckpt.tensors if is_mtp(n, config)}
     return InspectReport(
         path=str(ckpt.root),
-        model_type=config.get("model_type", "unknown"),
+        model_type=config.model_type or "unknown",
         family=detect_family(config).name,
-        architectures=list(config.get("architectures") or []),
-        quantization=quantization(config).describe(),
-        num_hidden_layers=int(config.get("num_hidden_layers", 0)),
+        architectures=list(config.architectures or []),
+        quantization=config.quantization.describe(),
+        num_hidden_layers=config.layers,
         mtp_layers=len(mtp),
         total_params=sum(c.params for c in components.values()),
         total_bytes=ckpt.total_bytes,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from quantkit.checkpoint.config import check_config
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.errors import QuantkitError
 from quantkit.gc_pause import gc_paused
 
@@ -85,7 +85,7 @@ class Checkpoint:
     """A validated checkpoint folder. Nothing here has read tensor data yet."""
 
     root: Path
-    config: dict
+    config: ModelConfig
     shards: list[Shard]
     tensors: dict[str, TensorInfo]
     other_files: list[str]  # tokenizer, templates, generation config: copied verbatim
@@ -98,7 +98,7 @@ class Checkpoint:
     def fingerprint(self) -> str:
         """Identifies the source without reading tensor data: config, shard names, sizes, headers."""
         h = hashlib.sha256()
-        h.update(json.dumps(self.config, sort_keys=True).encode())
+        h.update(json.dumps(self.config.raw, sort_keys=True).encode())
         for shard in self.shards:
             h.update(f"{shard.name}\0{shard.size}\0{shard.header_sha256}\n".encode())
         return h.hexdigest()
@@ -141,8 +141,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                       skipped_files=skipped)
 
 
-def read_config(root: Path) -> dict:
-    """config.json as a JSON object (what every command reads first), or a one-line error naming it."""
+def read_config(root: Path) -> ModelConfig:
+    """config.json checked and typed (what every command reads first), or a one-line error naming it."""
     config_path = root / "config.json"
     if not config_path.is_file():
         raise QuantkitError("config.json not found", root)
@@ -153,8 +153,7 @@ def read_config(root: Path) -> dict:
         raise QuantkitError(f"invalid JSON: {exc}", config_path) from exc
     if not isinstance(config, dict):
         raise QuantkitError(f"not a JSON object but {type(config).__name__}", config_path)
-    check_config(config, config_path)
-    return config
+    return ModelConfig.read(config, config_path)
 
 
 def link_roots(root: Path) -> list[Path]:

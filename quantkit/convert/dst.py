@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestStatus, load_manifest
 from quantkit.checkpoint.reader import INDEX_NAME, Checkpoint
@@ -95,7 +96,7 @@ def is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> 
     return record is not None and record.matches(dst / shard.name, rehash=verify)
 
 
-def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: dict) -> dict:
+def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: ModelConfig) -> dict:
     """quantization_config for config.json: compressed-tensors' JSON of the recipe's groups, with the names the
     serving engines match their own modules by.
 
@@ -137,7 +138,8 @@ def linear_groups(plan: ConversionPlan) -> dict[str, str | None]:
                                                                                     len(a.outputs[0].shape)))}
 
 
-def engine_names(recipe: Recipe, config: dict, groups: dict[str, str | None]) -> tuple[list[str], dict[str, list]]:
+def engine_names(recipe: Recipe, config: ModelConfig,
+                 groups: dict[str, str | None]) -> tuple[list[str], dict[str, list]]:
     """``ignore`` and each group's extra targets, so that SGLang and vLLM match every module of the model class
     they build (engines/schemes.py), as llm-compressor's outputs are matched: every Linear kept in the model dtype
     is ignored by its own name (SGLang refuses a Linear that matches neither ignore nor a target), and so is each
@@ -152,7 +154,7 @@ def engine_names(recipe: Recipe, config: dict, groups: dict[str, str | None]) ->
     ignored = any_matcher(ignore) if ignore else (lambda name: False)
     fused: dict[str, dict[str, list[str]]] = {}
     for engine in ("sglang", "vllm"):
-        rules = loader_rules(engine, config.get("model_type"))
+        rules = loader_rules(engine, config.model_type)
         for module in engine_modules(groups, config, rules) if rules is not None else []:
             members = {groups[m] for m in module.members}
             if module.kind == "linear" and module.name not in module.members and len(members) == 1:
@@ -177,9 +179,7 @@ def finish(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Path, ma
     weight_map = {o.name: s.name for s in plan.shards for o in s.tensors}
     index = {"metadata": {"total_size": plan.output_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-    config = dict(ckpt.config)
-    config["quantization_config"] = output_quantization_config(recipe, plan, ckpt.config)
-    # No sort_keys: config_groups keep the recipe's order, which first-match readers rely on.
-    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    config = ckpt.config.with_quantization(output_quantization_config(recipe, plan, ckpt.config))
+    write_bytes_atomic(dst / "config.json", config.to_json())
     manifest.status = ManifestStatus.COMPLETE
     manifest.save(dst)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from quantkit.checkpoint.config import FLOAT_CODES, fp8_block_size, model_dtype_code
+from quantkit.checkpoint.config import FLOAT_CODES
 from quantkit.checkpoint.describe import described_by
 from quantkit.checkpoint.families import is_linear_weight
 from quantkit.checkpoint.reader import DTYPES, Checkpoint, TensorInfo
@@ -136,9 +136,7 @@ class ConversionPlan:
 
 @gc_paused
 def plan_conversion(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int) -> ConversionPlan:
-    config = ckpt.config
-    dtype = model_dtype_code(config)
-    block = fp8_block_size(config)
+    dtype, block = ckpt.config.dtype_code, ckpt.config.fp8_block
     source_ct = described_by(ckpt)
     tensors = ckpt.tensors
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.names import KV_SCALE
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
@@ -93,7 +94,7 @@ def scale_backend(attention: str) -> BackendUse | None:
     return next((b for b in backends("sglang", attention) if b.use == "used"), None)
 
 
-def engine_usage(config: dict) -> dict[str, str]:
+def engine_usage(config: ModelConfig) -> dict[str, str]:
     """Per engine, one line: where its loader puts the scales quantkit writes and which attention backends
     use them, for a model with this config."""
     from quantkit.checkpoint.families import detect_family
@@ -103,9 +104,9 @@ def engine_usage(config: dict) -> dict[str, str]:
     kind = attention_kind(family)
     usage = {}
     for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
-        rules = loader_rules(engine, config.get("model_type"))
+        rules = loader_rules(engine, config.model_type)
         if rules is None:
-            usage[f"{engine} {version}"] = (f"loader of model_type {config.get('model_type')!r} not traced in its "
+            usage[f"{engine} {version}"] = (f"loader of model_type {config.model_type!r} not traced in its "
                                             "source: unknown")
             continue
         rule, parameter = rules.place(scale_names(0)[0], config)

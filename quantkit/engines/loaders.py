@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.checkpoint.config import quantization
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.names import EXPERT
 from quantkit.engines.versions import SGLANG_VERSION, VLLM_VERSION
 
@@ -39,38 +39,37 @@ class Condition:
     mtp: bool = False  # the layer is an MTP/NextN layer (index >= num_hidden_layers)
     tied: bool | None = None  # config ties lm_head to embed_tokens
 
-    def holds(self, config: dict, match: re.Match) -> bool:
+    def holds(self, config: ModelConfig, match: re.Match) -> bool:
         groups = match.groupdict()
         layer = int(groups["layer"]) if groups.get("layer") is not None else None
-        layers = int(config.get("num_hidden_layers") or 0)
-        if (layer is not None and layer >= layers) != self.mtp:
+        if (layer is not None and layer >= config.layers) != self.mtp:
             return False
-        if self.q_lora is not None and (config.get("q_lora_rank") is not None) != self.q_lora:
+        if self.q_lora is not None and (config.q_lora_rank is not None) != self.q_lora:
             return False
         if self.moe is not None and layer is not None and _is_moe_layer(config, layer) != self.moe:
             return False
-        if groups.get("expert") is not None and int(groups["expert"]) >= int(config.get("n_routed_experts") or 0):
+        if groups.get("expert") is not None and int(groups["expert"]) >= (config.n_routed_experts or 0):
             return False
-        if self.tied is not None and bool(config.get("tie_word_embeddings")) != self.tied:
+        if self.tied is not None and config.tie_word_embeddings != self.tied:
             return False
-        if self.indexer and not config.get("index_topk"):
+        if self.indexer and not config.index_topk:
             return False
         return not (self.kv_scheme and not _declares_static_fp8_kv(config))
 
 
-def _is_moe_layer(config: dict, layer: int) -> bool:
-    if not config.get("n_routed_experts"):
+def _is_moe_layer(config: ModelConfig, layer: int) -> bool:
+    if not config.n_routed_experts:
         return False
-    types = config.get("mlp_layer_types")
-    if isinstance(types, list) and layer < len(types):
+    types = config.mlp_layer_types
+    if types is not None and layer < len(types):
         return types[layer] == "sparse"
-    return layer >= int(config.get("first_k_dense_replace") or 0)
+    return layer >= (config.first_k_dense_replace or 0)
 
 
-def _declares_static_fp8_kv(config: dict) -> bool:
+def _declares_static_fp8_kv(config: ModelConfig) -> bool:
     # sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py:212-225 and :1276-1285: the
     # k/v_scale parameters exist only for a static, symmetric, per-tensor 8-bit float kv_cache_scheme.
-    scheme = quantization(config).kv_cache_scheme
+    scheme = config.quantization.kv_cache_scheme
     return (scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("strategy") == "tensor"
             and scheme.get("symmetric", True) and not scheme.get("dynamic", False))
 
@@ -88,7 +87,7 @@ class NameRule:
     note: str = ""
     skipped: bool = False
 
-    def place(self, name: str, config: dict) -> tuple[bool, str | None]:
+    def place(self, name: str, config: ModelConfig) -> tuple[bool, str | None]:
         m = re.fullmatch(self.pattern, name)
         if m is None or not self.when.holds(config, m):
             return False, None
@@ -105,7 +104,7 @@ class LoaderRules:
     rules: tuple[NameRule, ...]
     renames: tuple[tuple[str, str, str], ...] = ()  # (pattern, replacement, source) applied to every name first
 
-    def place(self, name: str, config: dict) -> tuple[NameRule | None, str | None]:
+    def place(self, name: str, config: ModelConfig) -> tuple[NameRule | None, str | None]:
         """The first rule that takes ``name`` and the parameter it lands on, or (None, None) when the engine
         has no parameter for it."""
         for pattern, replacement, _ in self.renames:
@@ -305,7 +304,7 @@ class Unplaced:
     reason: str
 
 
-def unplaced_tensors(names: list[str], config: dict, rules: LoaderRules) -> list[Unplaced]:
+def unplaced_tensors(names: list[str], config: ModelConfig, rules: LoaderRules) -> list[Unplaced]:
     """The tensors of a checkpoint that the engine's loader puts on no parameter of its model."""
     out = []
     for name in names:
@@ -317,7 +316,7 @@ def unplaced_tensors(names: list[str], config: dict, rules: LoaderRules) -> list
     return out
 
 
-def _why_unplaced(name: str, config: dict) -> str:
+def _why_unplaced(name: str, config: ModelConfig) -> str:
     if name.endswith((".k_scale", ".v_scale")):
         if not _declares_static_fp8_kv(config):
             return "config.json declares no static FP8 kv_cache_scheme, so the engine creates no k/v_scale parameter"
@@ -325,6 +324,6 @@ def _why_unplaced(name: str, config: dict) -> str:
     if ".indexer." in name and re.search(r"\.(wk|weights_proj)\.weight_(packed|shape)$", name):
         return "the indexer's wk/weights_proj are fused into one bf16 parameter that takes bf16 or block-FP8 only"
     m = EXPERT.match(name.rpartition(".")[0])
-    if m and int(m["index"]) >= int(config.get("n_routed_experts") or 0):
-        return f"expert {m['index']} is outside n_routed_experts={config.get('n_routed_experts')}"
+    if m and int(m["index"]) >= (config.n_routed_experts or 0):
+        return f"expert {m['index']} is outside n_routed_experts={config.n_routed_experts}"
     return "the engine's model class has no parameter for this name"

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.names import EXPERT
 from quantkit.engines.kernels import ROW_PARALLEL
 from quantkit.engines.loaders import LoaderRules
@@ -44,7 +45,7 @@ class EngineModule:
     class_name: str  # the engine's module class, which targets such as "Linear" are matched against
 
 
-def engine_modules(linears: Iterable[str], config: dict, rules: LoaderRules) -> list[EngineModule]:
+def engine_modules(linears: Iterable[str], config: ModelConfig, rules: LoaderRules) -> list[EngineModule]:
     """The engine's Linear and MoE modules that load the checkpoint's Linear modules ``linears``, each with its
     members; a Linear the loader places nowhere (the MTP layer, left to the draft model) asks nothing."""
     fused: dict[str, list[str]] = {}
@@ -80,14 +81,13 @@ class SchemeMatching:
     engine: str
     version: str
     model_types: tuple[str, ...]
-    packed_modules: Callable[[dict], dict[str, list[str]]]  # the model class's packed_modules_mapping
+    packed_modules: Callable[[ModelConfig], dict[str, list[str]]]  # the model class's packed_modules_mapping
     source: str
 
-    def select(self, module: EngineModule, config: dict) -> str | None:
+    def select(self, module: EngineModule, config: ModelConfig) -> str | None:
         """The target of config.json's quantization_config that gives ``module`` its scheme, or None for
         unquantized; raises SchemeError where the engine refuses to build the module."""
-        return select_target(self.engine, module, config.get("quantization_config") or {},
-                             self.packed_modules(config))
+        return select_target(self.engine, module, config.quantization.raw, self.packed_modules(config))
 
 
 def select_target(engine: str, module: EngineModule, quantization_config: dict,
@@ -177,24 +177,24 @@ def group_of(quantization_config: dict, target: str | None) -> str | None:
     return group
 
 
-def _no_mapping(config: dict) -> dict[str, list[str]]:
+def _no_mapping(config: ModelConfig) -> dict[str, list[str]]:
     return {}
 
 
-def _sglang_deepseek(config: dict) -> dict[str, list[str]]:
+def _sglang_deepseek(config: ModelConfig) -> dict[str, list[str]]:
     # sglang/srt/models/deepseek_v2.py:3250-3275: only the fused q_a/kv_a projection, and only with q_lora_rank
-    return {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]} if config.get("q_lora_rank") else {}
+    return {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]} if config.q_lora_rank else {}
 
 
-def _vllm_llama(config: dict) -> dict[str, list[str]]:
+def _vllm_llama(config: ModelConfig) -> dict[str, list[str]]:
     # vllm/model_executor/models/llama.py:475-478
     return {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-def _vllm_deepseek(config: dict) -> dict[str, list[str]]:
+def _vllm_deepseek(config: ModelConfig) -> dict[str, list[str]]:
     # vllm/model_executor/models/deepseek_v2.py:1880-1912
     mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
-    if config.get("q_lora_rank") is not None:
+    if config.q_lora_rank is not None:
         mapping["fused_qkv_a_proj"] = ["q_a_proj", "kv_a_proj_with_mqa"]
     return mapping
 

@@ -40,7 +40,7 @@ def model_family(path: Path) -> dict:
 
     config = open_checkpoint(path).config
     tokenizer = path / "tokenizer.json"
-    return {"model_type": config.get("model_type"), "architectures": config.get("architectures"),
+    return {"model_type": config.model_type or None, "architectures": config.architectures,
             "tokenizer_sha256": sha256_file(tokenizer) if tokenizer.is_file() else None}
 
 

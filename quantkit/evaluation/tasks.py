@@ -190,7 +190,7 @@ def check_context(tasks: list[str], model: Path) -> None:
     is refused too when config.json does not say how long the context is: it would be truncated without a word."""
     from quantkit.checkpoint.reader import read_config
 
-    context = read_config(model).get("max_position_embeddings")
+    context = read_config(model).max_context
     for task in tasks:
         if is_needle_task(task):
             needed = needed_context(task)
@@ -201,6 +201,6 @@ def check_context(tasks: list[str], model: Path) -> None:
             needed = task_spec(task)["max_gen_toks"] + 1  # lm-eval keeps at least one token of prompt
         else:
             continue
-        if context and needed > int(context):
+        if context and needed > context:
             raise QuantkitError(f"task {task} needs {needed:,} tokens of context; max_position_embeddings "
-                                f"is {int(context):,}", model / "config.json")
+                                f"is {context:,}", model / "config.json")

@@ -85,11 +85,11 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
     nearest, absmax / 448 per block); embeddings and norms stay BF16; ``config.json`` gets the
     releases' ``quantization_config``. The side files (tokenizer, templates) are copied.
     """
-    import json
     import shutil
 
     from safetensors import safe_open
 
+    from quantkit.checkpoint.reader import read_config
     from quantkit.checkpoint.writer import write_safetensors
     from quantkit.examples.fp8_release import release_encoding
     from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG
@@ -109,8 +109,7 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
             for name in st.keys():
                 tensors.update(release_encoding(name, st.get_tensor(name)))
     write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
-    config = json.loads((bf16 / "config.json").read_text())
-    config["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    release = read_config(bf16).with_quantization(dict(RELEASE_QUANTIZATION_CONFIG))
+    (tmp / "config.json").write_bytes(release.to_json())
     os.replace(tmp, out)
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.families import mtp_extra_shapes
 from quantkit.checkpoint.reader import INDEX_NAME
 from quantkit.checkpoint.writer import write_safetensors
@@ -83,7 +84,7 @@ def _mtp_layer(family: str, cfg_kwargs: dict, seed: int) -> dict[str, torch.Tens
     layer = {k: v for k, v in state.items() if k.startswith(prefix)}
     gen = torch.Generator().manual_seed(seed + 11)
     extra = {}
-    for name, shape in mtp_extra_shapes(cfg_kwargs).items():
+    for name, shape in mtp_extra_shapes(ModelConfig.read(cfg_kwargs)).items():
         # norms near 1, projections and embeddings at the init scale of the rest
         if len(shape) == 1:
             extra[name] = 1 + torch.randn(shape, generator=gen) * 0.1

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
-from quantkit.checkpoint.config import Quantization, check_context, quantization
+from quantkit.checkpoint.config import ModelConfig, Quantization
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import LOCK_NAME, folder_lock, refuse_inside
@@ -77,22 +77,22 @@ def calibrate_kv(
         raise QuantkitError("give either --out DST or --in-place")
     ckpt = open_checkpoint(src)
     family = detect_family(ckpt.config)
-    if "num_attention_heads" not in ckpt.config:
-        raise QuantkitError(f"no attention layers quantkit knows in model_type "
-                            f"{ckpt.config.get('model_type')!r}", src / "config.json")
+    if ckpt.config.num_attention_heads is None:
+        raise QuantkitError(f"no attention layers quantkit knows in model_type {ckpt.config.model_type!r}",
+                            src / "config.json")
     dst = src if in_place or out is None else Path(out)
     if not in_place:
         _check_out(src, dst)
-    config = dict(ckpt.config, quantization_config=_with_kv_scheme(quantization(ckpt.config, src / "config.json")))
+    config = ckpt.config.with_quantization(_with_kv_scheme(ckpt.config.quantization))
     dev = resolve_device(device)
     computed_in = compute_dtype(dtype, dev, model_dtype(ckpt.config))
     if batches is not None:
         seq_len = int(batches[0].shape[1])
-    check_context(ckpt.config, seq_len, "--seq-len", src / "config.json")
+    ckpt.config.check_context(seq_len, "--seq-len")
     if batches is None:
         data_path = Path(data) if data else DEFAULT_DATA
         batches = calibration_batches(data_path, text_field, samples, seq_len, batch_size, lambda: model_tokenizer(src),
-                                      ckpt.config.get("vocab_size"))
+                                      ckpt.config.vocab_size)
     if not in_place:
         dst.mkdir(parents=True, exist_ok=True)
     with folder_lock(dst):
@@ -151,7 +151,7 @@ def whole_model_observe(path, batches: list[torch.Tensor]) -> KVObserver:
 
 
 def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attention: str, copy: bool,
-                 config: dict | None = None, dtype: str | None = None) -> tuple[Path, Path, dict[str, str]]:
+                 config: ModelConfig | None = None, dtype: str | None = None) -> tuple[Path, Path, dict[str, str]]:
     """k_scale / v_scale tensors beside each attention module, kv_cache_scheme in the config (``config``: the
     model's config with it, when the caller has built it already), the index and manifest updated; DST starts
     as a copy (hard links where possible) of the model. Returns the JSON record, the plot and per engine where
@@ -161,7 +161,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
 
     src = ckpt.root
     if config is None:
-        config = dict(ckpt.config, quantization_config=_with_kv_scheme(quantization(ckpt.config, src / "config.json")))
+        config = ckpt.config.with_quantization(_with_kv_scheme(ckpt.config.quantization))
     if copy:
         _check_out(src, dst)
         dst.mkdir(parents=True, exist_ok=True)
@@ -193,7 +193,7 @@ def write_scales(ckpt, dst: Path, scales: dict[int, tuple[float, float]], attent
     write_bytes_atomic(index_path, (json.dumps(index, indent=2) + "\n").encode())
 
     # a new inode: DST's files may be hard links to the model's, which must stay untouched
-    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    write_bytes_atomic(dst / "config.json", config.to_json())
 
     manifest = load_manifest(dst)
     if manifest is not None:

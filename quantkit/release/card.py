@@ -8,13 +8,12 @@ as the weights it stands for (the hub's counter sees one int32 per eight weights
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quantkit
-from quantkit.checkpoint.config import is_moe, quantization
+from quantkit.checkpoint.config import ModelConfig
 from quantkit.engines.launch import SGLangLaunch, vllm_serve
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_run_record
@@ -36,9 +35,9 @@ FORMAT_WORDS = {"pack-quantized": "INT4 group-quantized (`pack-quantized`)",
                 "float-quantized": "block-FP8 (`float-quantized`)"}
 
 
-def _formats(config: dict) -> list[str]:
+def _formats(config: ModelConfig) -> list[str]:
     """The compressed-tensors formats the checkpoint's groups use, in a fixed order."""
-    used = quantization(config).group_formats()
+    used = config.quantization.group_formats()
     return [f for f in FORMAT_TAGS if f in used]
 
 
@@ -95,21 +94,22 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
 
     from quantkit.checkpoint.inspection import inspect_checkpoint
     from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import read_config
 
     manifest = load_manifest(dst)
     source = Path(manifest.source_path) if manifest else None
     source_meta = front_matter(source / "README.md" if source else None)
     after = inspect_checkpoint(dst)
     before = inspect_checkpoint(source) if source and (source / "config.json").is_file() else None
-    config = json.loads((dst / "config.json").read_text())
-    fp8_kv = bool(quantization(config).kv_cache_scheme)
+    config = read_config(dst)
+    fp8_kv = bool(config.quantization.kv_cache_scheme)
     name = repo.removeprefix("file://").rstrip("/").split("/")[-1] if repo.startswith("file://") else repo
     base_model = hub_id(base_model, "--base-model") if base_model is not None else _source_base_model(source_meta)
 
     formats = _formats(config)
     tags = ["quantkit", "compressed-tensors"] + [t for f in formats for t in FORMAT_TAGS[f]]
     tags += ["fp8-kv-cache"] if fp8_kv else []
-    if is_moe(config):
+    if config.is_moe:
         tags.append("mixture-of-experts")
     results = []
     for t in verdict.tasks if verdict else []:
@@ -156,7 +156,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     return "\n".join(lines) + "\n"
 
 
-def _kv_scale_section(dst: Path, config: dict) -> list[str]:
+def _kv_scale_section(dst: Path, config: ModelConfig) -> list[str]:
     """Per engine, where its loader puts the calibrated KV scales and which attention backends use them
     (read in its source: engines/kv_scales.py, engines/loaders.py)."""
     from quantkit.checkpoint.reader import open_checkpoint
@@ -169,7 +169,7 @@ def _kv_scale_section(dst: Path, config: dict) -> list[str]:
     for engine, usage in engine_usage(config).items():
         lines.append(f"- {engine}: {markdown_text(usage)}")
     for engine, version in (("sglang", SGLANG_VERSION), ("vllm", VLLM_VERSION)):
-        rules = loader_rules(engine, config.get("model_type"))
+        rules = loader_rules(engine, config.model_type)
         skipped = unplaced_tensors(names, config, rules) if rules is not None else []
         if skipped:
             lines.append(f"- **{engine} {version} skips this checkpoint's scale tensors** "

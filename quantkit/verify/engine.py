@@ -73,13 +73,13 @@ def schemes_chosen(ckpt: Checkpoint, stored: dict[str, Stored], engine: str, tp:
     from quantkit.engines.loaders import loader_rules
     from quantkit.engines.schemes import SchemeError, engine_modules, group_of, scheme_matching
 
-    model_type = ckpt.config.get("model_type")
+    model_type = ckpt.config.model_type
     rules, matching = loader_rules(engine, model_type), scheme_matching(engine, model_type)
     if rules is None or matching is None:
         notes.append(f"{engine}'s model class for model_type {model_type!r} was not read in its source: the scheme "
                      "each of its modules gets was not checked")
         return []
-    qc = ckpt.config.get("quantization_config") or {}
+    qc = ckpt.config.quantization.raw
     groups = qc.get("config_groups") or {}
     linears = [m for m, s in stored.items() if s.kind != "float" or is_linear_weight(f"{m}.weight", 2)]
     found = []
@@ -230,9 +230,9 @@ def names_load(ckpt: Checkpoint, engine: str, checked: dict[str, int], notes: li
     the load at serve time - a KV scale skipped this way leaves FP8 KV at scale 1.0 without a word."""
     from quantkit.engines.loaders import loader_rules, unplaced_tensors
 
-    rules = loader_rules(engine, ckpt.config.get("model_type"))
+    rules = loader_rules(engine, ckpt.config.model_type)
     if rules is None:
-        notes.append(f"{engine}'s loader for model_type {ckpt.config.get('model_type')!r} was not read in its source: "
+        notes.append(f"{engine}'s loader for model_type {ckpt.config.model_type!r} was not read in its source: "
                      "tensor names not checked against it")
         return []
     names = sorted(ckpt.tensors)

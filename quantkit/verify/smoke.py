@@ -22,7 +22,7 @@ def smoke_findings(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
             checked["meta structure check"] = 1
             return [Finding("smoke", "fits the model class (meta device)", p) for p in problems[:10]]
         model = load_model(ckpt.root)
-        ids = torch.arange(16).unsqueeze(0) % int(ckpt.config.get("vocab_size", 16))
+        ids = torch.arange(16).unsqueeze(0) % (ckpt.config.vocab_size or 16)
         with torch.no_grad():
             logits = model(ids).logits
         checked["forward pass"] = 1

@@ -7,7 +7,6 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from quantkit.checkpoint.config import num_experts
 from quantkit.checkpoint.describe import config_mismatches
 from quantkit.checkpoint.names import EXPERT
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
@@ -87,7 +86,7 @@ def structure(ckpt: Checkpoint, stored: dict[str, Stored]) -> list[Finding]:
         for m in config_mismatches(ckpt)
     ]
     config = ckpt.config
-    n_experts = num_experts(config)
+    n_experts = config.num_experts
     experts: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     for module in stored:
         m = EXPERT.match(module)
@@ -99,8 +98,7 @@ def structure(ckpt: Checkpoint, stored: dict[str, Stored]) -> list[Finding]:
         if missing:
             found.append(Finding("structure", f"every MoE layer has all {n_experts} experts with gate/up/down",
                                  f"{len(missing)} expert projections missing", missing[0]))
-    mtp = int(config.get("num_nextn_predict_layers") or 0)
-    layers = int(config.get("num_hidden_layers") or 0)
+    mtp, layers = config.num_nextn_predict_layers or 0, config.layers
     for index in range(layers, layers + mtp):
         if not any(n.startswith(f"model.layers.{index}.") for n in ckpt.tensors):
             found.append(Finding("structure", "the MTP layer is kept", f"no tensors of layer "

@@ -10,7 +10,6 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from quantkit.checkpoint.config import check_context
 from quantkit.checkpoint.manifest import Manifest
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.tensor_plan import ActionKind
@@ -58,9 +57,9 @@ def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.Pat
     if cal is None:
         raise QuantkitError(f"recipe {rec.name} is round-to-nearest: it takes no calibration data")
     data = Path(override) if override is not None else (rec.calibration_data() or DEFAULT_DATA)
-    check_context(ckpt.config, cal.seq_len, f"recipe {rec.name}: calibration seq_len", ckpt.root / "config.json")
+    ckpt.config.check_context(cal.seq_len, f"recipe {rec.name}: calibration seq_len")
     return calibration_batches(data, cal.text_field, cal.samples, cal.seq_len, 1, lambda: model_tokenizer(ckpt.root),
-                               ckpt.config.get("vocab_size"), require_all=True)
+                               ckpt.config.vocab_size, require_all=True)
 
 
 def walk_dtype(rec: Recipe, spec: str, device: str, ckpt: Checkpoint) -> torch.dtype | None:

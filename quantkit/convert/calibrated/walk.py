@@ -126,7 +126,7 @@ class CalibratedResult:
 def calibration_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> dict[int, list[Target]]:
     """Decoder layer -> the INT4 weights the algorithm quantizes in it. Layers transformers does not build (a GLM /
     DeepSeek MTP layer) are not reached by the calibration forward and stay RTN."""
-    layers = int(ckpt.config["num_hidden_layers"])
+    layers = ckpt.config.size("num_hidden_layers")
     out: dict[int, list[Target]] = {}
     for shard in plan.shards:
         for action in shard.actions:
