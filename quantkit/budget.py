@@ -29,6 +29,7 @@ import torch
 
 from quantkit.checkpoint.names import LAYER, layer_expert
 from quantkit.errors import QuantkitError
+from quantkit.settings import BUDGET
 
 OPTIONS = ("int4-g128", "int4-g32", "fp8", "bf16")
 MAX_PARAMS = 4_000_000_000  # the whole model is held in memory for the measurement
@@ -99,11 +100,11 @@ def budget(
     recipe: str,
     size: str,
     out: str | os.PathLike,
-    data: str | os.PathLike | None = None,
-    samples: int = 8,
-    seq_len: int = 256,
-    device: str = "auto",
-    dtype: str = "auto",
+    data: str | os.PathLike | None = BUDGET.data,
+    samples: int = BUDGET.samples,
+    seq_len: int = BUDGET.seq_len,
+    device: str = BUDGET.device,
+    dtype: str = BUDGET.dtype,
 ) -> BudgetResult:
     """Measure the sensitivity of RECIPE's INT4 groups in SOURCE and write the recipe that fits SIZE with the least
     damage to OUT (a YAML recipe; its measurements in a comment at its top). ``dtype``: what the model computes in

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.settings import CALIBRATE, CONVERT, EVAL, VERIFY
+from quantkit.settings import BUDGET, CALIBRATE, CONVERT, EVAL, PLAN, VERIFY
 
 app = typer.Typer(
     help="Offline quantization and checkpoint conversion for giant Mixture-of-Experts LLMs.",
@@ -329,15 +329,15 @@ def verify_cmd(
 def plan_cmd(
     src: Annotated[Path, typer.Argument(help="Checkpoint folder, or a folder with config.json alone.")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe to size the output for.")] = None,
-    tp: TpOpt = 1,
-    gpu: Annotated[str, typer.Option(help="h100, h200 or b200 (memory as the GPU reports it).")] = "h200",
+    tp: TpOpt = PLAN.tp,
+    gpu: Annotated[str, typer.Option(help="h100, h200 or b200 (memory as the GPU reports it).")] = str(PLAN.gpu),
     gpu_mem: Annotated[Optional[float], typer.Option(min=1, help="GPU memory in GiB (overrides --gpu).")] = None,
-    kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: bf16 or fp8_e4m3.")] = "bf16",
+    kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: bf16 or fp8_e4m3.")] = PLAN.kv_dtype,
     mem_fraction: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of GPU memory for weights + KV "
-            "(SGLang --mem-fraction-static).")] = 0.88,
-    context_len: Annotated[int, typer.Option(min=1, help="Context length per request.")] = 32768,
-    page_size: Annotated[int, typer.Option(min=1, help="KV-cache page size in tokens.")] = 64,
-    max_shard_size: MaxShardSizeOpt = "5GB",
+            "(SGLang --mem-fraction-static).")] = PLAN.mem_fraction,
+    context_len: Annotated[int, typer.Option(min=1, help="Context length per request.")] = PLAN.context_len,
+    page_size: Annotated[int, typer.Option(min=1, help="KV-cache page size in tokens.")] = PLAN.page_size,
+    max_shard_size: MaxShardSizeOpt = PLAN.max_shard_size,
     deploy: Annotated[bool, typer.Option("--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 "
                                                           "KV) pools.")] = False,
     chart: Annotated[Path, typer.Option(help="Where --deploy writes its PNG chart.")] = Path("plan-memory.png"),
@@ -386,10 +386,10 @@ def budget_cmd(
     recipe_out: Annotated[Path, typer.Option("--out", help="Where the chosen recipe is written (YAML).")],
     data: Annotated[Optional[Path], typer.Option(help="Calibration text (.jsonl or .txt); default: built-in "
                                                       "GSM8K-train text.")] = None,
-    samples: Annotated[int, typer.Option(min=1, help="Sequences the sensitivity is measured on.")] = 8,
-    seq_len: Annotated[int, typer.Option(min=8, help="Tokens per sequence.")] = 256,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: DtypeOpt = "auto",
+    samples: Annotated[int, typer.Option(min=1, help="Sequences the sensitivity is measured on.")] = BUDGET.samples,
+    seq_len: Annotated[int, typer.Option(min=8, help="Tokens per sequence.")] = BUDGET.seq_len,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = BUDGET.device,
+    dtype: DtypeOpt = BUDGET.dtype,
     json_out: JsonOpt = False,
 ) -> None:
     """Measure each INT4 group's sensitivity and write the recipe that fits a size budget with the least damage."""
@@ -433,8 +433,10 @@ def eval_cmd(
                                                            "[env QUANTKIT_SGLANG_CMD / QUANTKIT_VLLM_CMD; default: "
                                                            "python -m sglang.launch_server / python -m "
                                                            "vllm.entrypoints.openai.api_server].")] = None,
-    engine_timeout: Annotated[float, typer.Option(min=1, help="sglang, vllm: seconds to wait for the server to become "
-                                                              "healthy.")] = EVAL.health_timeout,
+    health_timeout: Annotated[float, typer.Option("--health-timeout", "--engine-timeout", min=1,
+                                                  help="sglang, vllm: seconds to wait for the server to become "
+                                                       "healthy (--engine-timeout: its older name).")
+                              ] = EVAL.health_timeout,
     url: Annotated[Optional[str], typer.Option(help="openai: base URL of the server (http://host:port).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="RUN_DIR (default runs/<model name>).")] = None,
     batch_size: BatchSizeOpt = EVAL.batch_size,
@@ -455,7 +457,7 @@ def eval_cmd(
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
         result = evaluate(model, engine=engine, tasks=names, data_dir=data_dir, limit=limit,
                           kv_cache_dtype=kv_cache_dtype, out=out_dir, batch_size=batch_size, tp=tp, ep=ep, url=url,
-                          engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=engine_timeout,
+                          engine_cmd=engine_cmd, mem_fraction=mem_fraction, health_timeout=health_timeout,
                           device=device, dtype=dtype, order=order, fraction=fraction, on_progress=on_progress,
                           on_launch=_print_launch, repeat=repeat)
     if json_out:

@@ -21,7 +21,7 @@ from quantkit.checkpoint.layout import model_tensors
 from quantkit.checkpoint.reader import DTYPES, TORCH_TO_CODE, Checkpoint, TensorInfo
 from quantkit.errors import QuantkitError
 from quantkit.gc_pause import gc_paused
-from quantkit.settings import CONVERT
+from quantkit.settings import PLAN
 
 GIB = 2**30
 # Memory the GPU reports (nvidia-smi's MiB); b200 from its 192 GB datasheet figure.
@@ -81,14 +81,14 @@ def plan(
     src: str | os.PathLike,
     recipe: str | None = None,
     *,
-    tp: int = 1,
-    gpu: str | None = "h200",
-    gpu_mem_gib: float | None = None,
-    kv_dtype: str = "bf16",
-    mem_fraction: float = 0.88,
-    context_len: int = 32768,
-    page_size: int = 64,
-    max_shard_size: str = CONVERT.max_shard_size,
+    tp: int = PLAN.tp,
+    gpu: str | None = PLAN.gpu,
+    gpu_mem_gib: float | None = PLAN.gpu_mem_gib,
+    kv_dtype: str = PLAN.kv_dtype,
+    mem_fraction: float = PLAN.mem_fraction,
+    context_len: int = PLAN.context_len,
+    page_size: int = PLAN.page_size,
+    max_shard_size: str = PLAN.max_shard_size,
     deploy: bool = False,
     chart: str | os.PathLike | None = None,
     dst_hint: str = "DST",

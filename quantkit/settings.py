@@ -56,7 +56,28 @@ class EvalSettings(Section):
     repeat: int = Field(default=1, ge=1, le=2)  # 2: everything runs twice, the gate's engine-noise floor
 
 
+class PlanSettings(Section):
+    tp: int = 1
+    gpu: str | None = "h200"  # h100, h200 or b200 (memory as the GPU reports it)
+    gpu_mem_gib: float | None = None  # overrides gpu
+    kv_dtype: str = "bf16"  # bf16 or fp8_e4m3
+    mem_fraction: float = 0.88  # SGLang's --mem-fraction-static
+    context_len: int = 32768
+    page_size: int = 64
+    max_shard_size: str = ConvertSettings().max_shard_size
+
+
+class BudgetSettings(Section):
+    data: str | None = None  # default: quantkit's bundled GSM8K-train text
+    samples: int = 8
+    seq_len: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+
+
 CONVERT = ConvertSettings()
 CALIBRATE = CalibrateSettings()
 VERIFY = VerifySettings()
 EVAL = EvalSettings()
+PLAN = PlanSettings()
+BUDGET = BudgetSettings()

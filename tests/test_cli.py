@@ -66,3 +66,21 @@ def test_publish_and_release_errors_are_one_line_with_a_nonzero_exit(synthetic, 
     result = runner.invoke(app, ["release", str(config)])
     assert result.exit_code == 1
     assert "release stopped at stage plan" in result.output and "--resume" in result.output
+
+
+def test_evals_options_are_named_as_the_library_names_its_settings():
+    """A user who reads ``EvalSettings`` (the release config's eval section) finds each field under its own name on
+    the command line: --engine-timeout set ``health_timeout`` until the two names drifted apart."""
+    import typer.main
+
+    from quantkit.settings import EvalSettings
+
+    command = typer.main.get_command(app).commands["eval"]
+    options = {p.name: p.opts for p in command.params if p.param_type_name == "option"}
+    library = set(EvalSettings.model_fields) | {"out", "order", "fraction"}
+    cli_only = {"out_dir": "--out", "json_out": "--json", "tasks": "--tasks", "data_dir": "--data-dir"}
+    for name, opts in options.items():
+        spelled = cli_only.get(name, "--" + name.replace("_", "-"))
+        assert spelled in opts, (name, opts)
+        assert name in library or name in cli_only, name
+    assert "--health-timeout" in options["health_timeout"] and len(options) >= 19

@@ -15,9 +15,9 @@ import pytest
 from helpers import evaldata
 
 from quantkit.evaluation import evaluate
+from quantkit.engines.launch import SGLangLaunch
 from quantkit.evaluation.sglang import (
     EngineError,
-    LaunchSpec,
     EngineServer,
     free_port,
 )
@@ -57,7 +57,8 @@ def test_launch_arguments_are_sglangs_own():
     if probe.returncode != 0:
         pytest.skip("sglang is not importable here (it lives in its own environment; "
                     "set QUANTKIT_SGLANG_PYTHON to that environment's python to run this check)")
-    spec = LaunchSpec("/models/glm-5.2-int4", tp=8, ep=8, kv_cache_dtype="fp8_e4m3", mem_fraction=0.88, port=31234, seed=0)
+    spec = SGLangLaunch("/models/glm-5.2-int4", tp=8, ep=8, kv_cache_dtype="fp8_e4m3", mem_fraction=0.88,
+                        host="127.0.0.1", port=31234, seed=0)
     code = ("import json, sys; from sglang.srt.server_args import prepare_server_args; a = prepare_server_args(sys.argv[1:]); "
             "print(json.dumps([a.model_path, a.host, a.port, a.tp_size, a.ep_size, a.kv_cache_dtype, a.mem_fraction_static, a.random_seed]))")
     parsed = subprocess.run([python, "-c", code, *spec.args()], capture_output=True, text=True, check=True)
@@ -143,7 +144,7 @@ def test_stopping_quantkit_stops_the_server(smollm2_bf16, tmp_path, how):
     pids = tmp_path / "pids"
     cmd = [sys.executable, "-c", "from quantkit.cli import main; main()", "eval", str(smollm2_bf16), "--engine", "sglang",
            "--tasks", "arc_easy", "--data-dir", str(DATA), "--out", str(tmp_path / "run"),
-           "--engine-cmd", standin("never-healthy", pids), "--engine-timeout", "120"]
+           "--engine-cmd", standin("never-healthy", pids), "--health-timeout", "120"]
     # A shell that started the tests in the background may have left SIGINT ignored; Ctrl-C reaches a foreground quantkit.
     quantkit = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -170,7 +171,7 @@ def _log(tmp_path: Path) -> str:
 
 
 def test_openai_engine_talks_to_a_running_server(smollm2_bf16, tmp_path):
-    spec = LaunchSpec(str(smollm2_bf16), port=free_port())
+    spec = SGLangLaunch(str(smollm2_bf16), port=free_port())
     with EngineServer(shlex.split(standin("hash")), spec, tmp_path / "server.log", health_timeout=60) as url:
         result = evaluate(smollm2_bf16, engine="openai", url=url + "/v1", tasks=["arc_easy", "gsm8k"], data_dir=DATA,
                           limit=3, out=tmp_path / "run")

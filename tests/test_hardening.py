@@ -144,16 +144,18 @@ def test_publish_never_writes_into_the_source_dst_or_someone_elses_folder(synthe
 @pytest.fixture
 def gated(llama_int4, tmp_path):
     """DST with a passing verdict whose checksums are DST's files now."""
-    from quantkit.evaluation import model_checksums
+    from test_gate import suite, write_run
 
-    verdict = {"baseline": "b", "candidate": "c", "passed": True, "confidence": 0.95, "correction": "none",
-               "tasks": [{"task": "arc_easy", "n": 10, "baseline": 50.0, "candidate": 50.0, "delta": 0.0, "low": -1.0,
-                          "high": 1.0, "margin": 2.0, "passed": True, "flip_rate": 0.0, "certifiable_margin": 0.0,
-                          "items_for_margin": 0}],
-               "candidate_checksums": model_checksums(llama_int4)}
-    path = tmp_path / "verdict.json"
-    path.write_text(json.dumps(verdict))
-    return llama_int4, path
+    from quantkit.evaluation import model_checksums
+    from quantkit.release.gate import gate
+
+    base = write_run(tmp_path / "base", {"arc_easy": [1, 0, 1, 1] * 50})
+    cand = write_run(tmp_path / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
+    meta = json.loads((cand / "run.json").read_text())
+    meta["model_checksums"] = model_checksums(llama_int4)
+    (cand / "run.json").write_text(json.dumps(meta))
+    gate(base, cand, suite=suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
+    return llama_int4, tmp_path / "gate" / "verdict.json"
 
 
 @pytest.mark.parametrize("change, name", [
@@ -178,6 +180,26 @@ def test_a_forged_verdict_is_refused(gated, tmp_path):
     one_line_error(r, "not a gate verdict (tasks.0.margin: Field required)")
     r = quantkit("publish", dst, "--repo", "not a repo id", "--force-ungated")
     one_line_error(r, "invalid repo id")
+
+
+def test_publish_gates_again_instead_of_trusting_the_verdicts_flag(gated, tmp_path):
+    """A failing verdict edited to say pass, or a candidate run changed after the gate, gives another verdict when
+    publish gates the runs the verdict names again: refused, nothing shipped."""
+    dst, verdict = gated
+    text = verdict.read_text()
+    failing = json.loads(text)
+    failing["tasks"][0].update(margin=0.5)  # the same runs fail a 0.5-point margin: the file claims they pass it
+    verdict.write_text(json.dumps(failing))
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, "differs from the verdict its runs give when gated again")
+    verdict.write_text(text)
+    samples = Path(json.loads(text)["candidate"]) / "samples" / "arc_easy.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    rows[0]["correct"] = 1 - rows[0]["correct"]
+    samples.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, "differs from the verdict its runs give when gated again")
+    assert not (tmp_path / "out").exists()
 
 
 # --- Symlinks: one rule -------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def test_a_run_of_every_item_is_the_last_look_and_decides(tmp_path, looks):
 def test_differences_that_cancel_in_every_cluster_leave_the_interval_as_it_is():
     """A design effect of 0 raised ZeroDivisionError in the gate (exit 1, the code for "a task fails")."""
     from quantkit.evaluation.run_dir import SampleRecord
-    from quantkit.release.gate import Suite, _task_verdict
+    from quantkit.release.gate import _task_verdict
+    from quantkit.release.suite import Suite, TaskSpec
     from quantkit.release.stats import design_effect, z_of
 
     clusters = [str(i // 2) for i in range(400)]
@@ -149,7 +150,7 @@ def test_differences_that_cancel_in_every_cluster_leave_the_interval_as_it_is():
     ids = [str(i) for i in range(400)]
     b = {i: SampleRecord(item_id=i, prompt_hash=i, correct=int(int(i) % 2 == 1)) for i in ids}
     c = {i: SampleRecord(item_id=i, prompt_hash=i, correct=int(int(i) % 2 == 0)) for i in ids}
-    verdict = _task_verdict("mmlu", ids, b, c, 2.0, z_of(0.025), Suite(tasks={"mmlu": 2.0}), clusters)
+    verdict = _task_verdict("mmlu", ids, b, c, 2.0, z_of(0.025), Suite(tasks={"mmlu": TaskSpec(margin=2.0)}), clusters)
     assert verdict.design_effect == 1.0 and verdict.delta == 0
 
 

@@ -74,12 +74,12 @@ def test_ungated_failed_or_foreign_verdicts_are_refused(gated, synthetic, tmp_pa
     dst, verdict = gated
     with pytest.raises(PublishRefused, match="no gate verdict given"):
         publish(dst, f"file://{tmp_path / 'out'}")
-    failed = json.loads(verdict.read_text())
-    failed["passed"] = False
-    failed["tasks"][0]["passed"] = False
-    (tmp_path / "failed.json").write_text(json.dumps(failed))
+    runs = json.loads(verdict.read_text())
+    tight = tmp_path / "tight"
+    tight.mkdir()  # a 0-point margin: the interval [0, 0] of two equal runs does not clear it
+    gate(runs["baseline"], runs["candidate"], suite=suite(tight, ["arc_easy"], margin=0.0), report_dir=tight / "gate")
     with pytest.raises(PublishRefused, match=r"the gate failed \(arc_easy\)"):
-        publish(dst, f"file://{tmp_path / 'out'}", gate=tmp_path / "failed.json")
+        publish(dst, f"file://{tmp_path / 'out'}", gate=tight / "gate" / "verdict.json")
     other = tmp_path / "other"
     convert(synthetic["glm_moe_dsa"], other, "glm5-int4-experts-g128-fp8", device="cpu")
     with pytest.raises(PublishRefused, match="changed since it was gated"):

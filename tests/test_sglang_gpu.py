@@ -62,9 +62,10 @@ def serve_logprobs(cmd, model: Path, log: Path, kv_cache_dtype: str = "auto", id
     it then generates greedily instead: only they read the KV cache (in prefill SGLang's triton backend attends a
     prompt to the K and V it has just computed; seen on 0.5.17: FP8 and BF16 caches, equal prompt log-probabilities
     to the bit)."""
-    from quantkit.evaluation.sglang import EngineServer, LaunchSpec, free_port
+    from quantkit.engines.launch import SGLangLaunch
+    from quantkit.evaluation.sglang import EngineServer, free_port
 
-    spec = LaunchSpec(str(model), kv_cache_dtype=kv_cache_dtype, mem_fraction=0.2, port=free_port(), extra=FLAGS)
+    spec = SGLangLaunch(str(model), kv_cache_dtype=kv_cache_dtype, mem_fraction=0.2, port=free_port(), extra=tuple(FLAGS))
     with EngineServer(cmd, spec, log, health_timeout=600) as url:
         out = []
         for ids in ids_list:

@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from quantkit.checkpoint.config import FLOAT_CODES
 from quantkit.checkpoint.describe import described_by
@@ -47,6 +47,10 @@ def output_tensor(name: str, dtype: str, shape: tuple[int, ...]) -> OutputTensor
     return OutputTensor(name, dtype, shape, nbytes, header_entry_chars(name, dtype, shape))
 
 
+# How a source stores the tensors an action reads
+Encoding = Literal["float", "fp8_block", "int4_packed", "other"]
+
+
 class ActionKind(str, Enum):
     """What one action does to its source tensors."""
 
@@ -72,7 +76,7 @@ class Action:
     module: str
     sources: tuple[str, ...]
     outputs: tuple[OutputTensor, ...]
-    encoding: str  # source encoding: float, fp8_block, int4_packed, other
+    encoding: Encoding  # the source's
     group: str | None = None
     group_size: int | None = None
     source_group_size: int | None = None
@@ -229,7 +233,7 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
             )
         if scale_inv.dtype not in FLOAT_CODES:
             raise QuantkitError(f"scale dtype {scale_inv.dtype} is not a float", where(scale_inv), scale_inv.name)
-        encoding, sources = "fp8_block", (weight.name, scale_inv.name)  # type: tuple[str, tuple[str, ...]]
+        encoding, sources = "fp8_block", (weight.name, scale_inv.name)  # type: tuple[Encoding, tuple[str, ...]]
     elif weight.dtype in FLOAT_CODES:
         if scale_inv is not None:
             raise QuantkitError(f"weight_scale_inv beside a {weight.dtype} weight", where(scale_inv), scale_inv.name)

@@ -39,6 +39,12 @@ class SGLangLaunch:
     def command(self) -> str:
         return f"{SGLANG_PROGRAM} {shlex.join(self.args())}"
 
+    def settings(self) -> dict:
+        """What a run's provenance records of the launch: the settings that change results (not the model's path, the
+        host or the port)."""
+        return {"tp": self.tp, "ep": self.ep, "kv_cache_dtype": self.kv_cache_dtype,
+                "mem_fraction": self.mem_fraction, "seed": self.seed, "extra": list(self.extra)}
+
 
 def vllm_serve(model: str, tp: int, fp8_kv: bool) -> str:
     return shlex.join(["vllm", "serve", model, "--tensor-parallel-size", str(tp)]

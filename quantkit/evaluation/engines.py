@@ -140,17 +140,18 @@ class SGLangEngine(Engine):
     """A server started from ``engine_cmd`` for the run and stopped after it (evaluation/sglang.py)."""
 
     def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
-        from quantkit.evaluation.sglang import LaunchSpec
+        from quantkit.engines.launch import SGLangLaunch
 
-        return LaunchSpec("", tp=settings.tp, ep=settings.ep, kv_cache_dtype=settings.kv_cache_dtype,
-                          mem_fraction=settings.mem_fraction, seed=SEEDS["random_seed"]).settings()
+        return SGLangLaunch("", tp=settings.tp, ep=settings.ep, kv_cache_dtype=settings.kv_cache_dtype,
+                            mem_fraction=settings.mem_fraction, seed=SEEDS["random_seed"]).settings()
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
-        from quantkit.evaluation.sglang import EngineServer, LaunchSpec, engine_command, free_port
+        from quantkit.engines.launch import SGLangLaunch
+        from quantkit.evaluation.sglang import EngineServer, engine_command, free_port
 
         s = run.settings
-        spec = LaunchSpec(str(run.path.resolve()), tp=s.tp, ep=s.ep, kv_cache_dtype=s.kv_cache_dtype,
-                          mem_fraction=s.mem_fraction, port=free_port(), seed=SEEDS["random_seed"])
+        spec = SGLangLaunch(str(run.path.resolve()), tp=s.tp, ep=s.ep, kv_cache_dtype=s.kv_cache_dtype,
+                            mem_fraction=s.mem_fraction, host="127.0.0.1", port=free_port(), seed=SEEDS["random_seed"])
         return _serve(run, stack, EngineServer(engine_command(s.engine_cmd), spec, run_dir / "server.log",
                                                s.health_timeout))
 

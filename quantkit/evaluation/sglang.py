@@ -19,10 +19,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantkit.engines.launch import SGLangLaunch
 from quantkit.errors import QuantkitError
 
 SGLANG_CMD_ENV = "QUANTKIT_SGLANG_CMD"
@@ -36,33 +37,6 @@ LOG_TAIL_LINES = 30
 
 class EngineError(QuantkitError):
     """The server could not be started, died, timed out or answered nonsense."""
-
-
-@dataclass
-class LaunchSpec:
-    """What quantkit asks of SGLang; ``args`` is what gets appended to the engine command."""
-
-    model: str
-    tp: int = 1
-    ep: int = 1
-    kv_cache_dtype: str = "auto"
-    mem_fraction: float | None = None
-    port: int = 30000
-    host: str = "127.0.0.1"
-    seed: int = 0
-    extra: list[str] = field(default_factory=list)
-
-    def args(self) -> list[str]:
-        from quantkit.engines.launch import SGLangLaunch
-
-        return SGLangLaunch(self.model, tp=self.tp, ep=self.ep, kv_cache_dtype=self.kv_cache_dtype,
-                            mem_fraction=self.mem_fraction, host=self.host, port=self.port, seed=self.seed,
-                            extra=tuple(self.extra)).args()
-
-    def settings(self) -> dict:
-        """The launch settings that change results; the model path and port do not."""
-        return {"tp": self.tp, "ep": self.ep, "kv_cache_dtype": self.kv_cache_dtype,
-                "mem_fraction": self.mem_fraction, "seed": self.seed, "extra": self.extra}
 
 
 def free_port() -> int:
@@ -147,14 +121,14 @@ class EngineServer:
     exception, Ctrl-C, SIGTERM to quantkit) stops the whole process group: SIGTERM, then SIGKILL.
     """
 
-    def __init__(self, command: list[str], spec: LaunchSpec | VLLMLaunchSpec, log_path: Path,
+    def __init__(self, command: list[str], spec: SGLangLaunch | VLLMLaunchSpec, log_path: Path,
                  health_timeout: float = 600.0, name: str = "sglang"):
         self.name = name
         self.command = command + spec.args()
         self.spec = spec
         self.log_path = Path(log_path)
         self.health_timeout = health_timeout
-        self.url = f"http://{spec.host}:{spec.port}"
+        self.url = f"http://{spec.host or '127.0.0.1'}:{spec.port}"  # SGLang's own default host
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
         self._previous_sigterm: Any = None

@@ -29,6 +29,7 @@ from quantkit.release.config import ReleaseConfig, load_config
 from quantkit.release.stages import STAGES as _STAGES
 from quantkit.release.stages import Chain, Stage, StageStatus
 from quantkit.release.state import STATE_NAME, ReleaseState, StageState, load_state
+from quantkit.release.suite import Suite
 
 __all__ = ["STAGES", "ReleaseConfig", "ReleaseResult", "ReleaseStopped", "StageRecord", "StageStatus", "load_config",
            "release"]
@@ -76,7 +77,7 @@ def release(
     config_path = Path(config_path).resolve()
     config = load_config(config_path)
     chain = Chain(config, config_path, Path(), ReleaseState(), api, on_progress, on_launch)
-    _suite_tasks_evaluated(config, chain.suite, config_path)
+    _suite_tasks_evaluated(config, chain.gate_suite, config_path)
     work = chain.resolve(config.work_dir) or config_path.parent / f"{config_path.stem}-work"
     if load_state(work / STATE_NAME) and not resume:
         raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
@@ -89,11 +90,9 @@ def release(
         return _run_chain(chain, on_stage)
 
 
-def _suite_tasks_evaluated(config: ReleaseConfig, suite: Path | None, config_path: Path) -> None:
+def _suite_tasks_evaluated(config: ReleaseConfig, suite: Suite, config_path: Path) -> None:
     """The gate compares what eval ran: a suite task missing from eval.tasks is refused before hours of serving."""
-    from quantkit.release.gate import load_suite
-
-    missing = [t for t in load_suite(suite, config.margin).tasks if t not in (config.eval.tasks or [])]
+    missing = [t for t in suite.tasks if t not in (config.eval.tasks or [])]
     if missing:
         raise QuantkitError(f"the suite gates {', '.join(missing)}, which eval.tasks does not run", config_path)
 

@@ -18,26 +18,22 @@ from __future__ import annotations
 
 from pathlib import Path
 from statistics import median
-
-from pydantic import BaseModel, ConfigDict
+from typing import Literal
 
 from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.evaluation.generation import runaway
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record
 from quantkit.release.provenance import provenance_differences
 from quantkit.release.stats import bootstrap_interval, paired_binary_interval
+from quantkit.settings import Section
 
 # A noise run is the baseline's model evaluated again: only these may differ from the baseline's run.
 NOISE_MAY_DIFFER = ("engine.args.batch_size",)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class BehaviourCheck(_Strict):
+class BehaviourCheck(Section):
     task: str
-    check: str  # output length | runaway generations
+    check: Literal["output length", "runaway generations"]
     n: int
     baseline: float  # mean tokens per answer | runaway rate, percent
     candidate: float
@@ -52,7 +48,7 @@ class BehaviourCheck(_Strict):
     candidate_tokens: list[int] | None = None
 
 
-class NoiseFloor(_Strict):
+class NoiseFloor(Section):
     task: str
     n: int
     flip_rate: float  # percent of items whose correctness differs between the two baseline runs

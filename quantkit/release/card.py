@@ -20,7 +20,7 @@ from quantkit.evaluation.run_dir import read_run_record
 from quantkit.inert import markdown_cell, markdown_code, markdown_text, visible
 
 if TYPE_CHECKING:
-    from quantkit.release.gate import GateReport
+    from quantkit.release.verdict import GateReport
 
 # task -> (hub dataset, name, config, metric)
 DATASETS = {

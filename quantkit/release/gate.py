@@ -17,17 +17,12 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from quantkit.errors import CannotCompare, QuantkitError, field_error
+from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.evaluation import REPEAT_DIR
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
-from quantkit.packaged import suite_path
 from quantkit.release.behaviour import (
     BehaviourCheck,
-    NoiseFloor,
     is_generative,
     length_check,
     missing_generation,
@@ -35,6 +30,7 @@ from quantkit.release.behaviour import (
     read_noise_run,
     runaway_check,
 )
+from quantkit.release.looks import decision, look, overall
 from quantkit.release.provenance import provenance_differences
 from quantkit.release.stats import (
     argmax,
@@ -42,162 +38,15 @@ from quantkit.release.stats import (
     choice_kl,
     design_effect,
     items_for_margin,
-    look_alphas,
     paired_binary_interval,
     t_interval,
     z_of,
     z_tail,
 )
-
-DEFAULT_SUITE = "release"
+from quantkit.release.suite import Suite, load_suite, shared_tasks
+from quantkit.release.verdict import GateReport, Signal, TaskVerdict
 
 __all__ = ["CannotCompare", "GateReport", "Suite", "TaskVerdict", "gate", "load_samples", "load_suite"]
-
-
-Decision = Literal["pass", "fail", "continue"]  # continue: undecided at a sequential look before the last
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TaskSpec(_Strict):
-    margin: float | None = Field(default=None, ge=0, le=100)
-    cluster: str | None = None  # the run's cluster key (MMLU: subject): its items' variance is clustered
-
-
-class Sequential(_Strict):
-    """Looks at growing shares of the candidate's items, in the seeded order (eval --order seeded --fraction)."""
-
-    looks: list[float] = Field(default_factory=lambda: [0.25, 0.5, 1.0], min_length=1)
-    spending: Literal["obrien-fleming", "pocock"] = "obrien-fleming"
-
-    @field_validator("looks")
-    @classmethod
-    def _increasing_to_one(cls, looks):
-        if any(not 0 < t <= 1 for t in looks) or looks != sorted(set(looks)) or looks[-1] != 1:
-            raise ValueError("looks are increasing shares of the items in (0, 1], the last 1")
-        return looks
-
-
-class _SuiteRules(_Strict):
-    """How a suite decides, the same in the file and in the resolved suite."""
-
-    alpha: float = Field(default=0.05, gt=0, lt=1)
-    correction: Literal["bonferroni", "none"] = "bonferroni"
-    decide_by: list[Literal["accuracy", "loglik"]] = Field(default_factory=lambda: ["accuracy"],  # type: ignore[arg-type]
-                                                           min_length=1)
-    loglik_margin: float = Field(default=0.1, ge=0)  # nats: the correct answer's log-likelihood may drop this much
-    # Provenance fields the candidate may change besides its weights, because they ship with it
-    # (the decode pool's FP8 KV cache: engine.args.kv_cache_dtype). Printed with every verdict.
-    may_differ: list[str] = Field(default_factory=list)
-    # Behaviour of generative tasks (release/behaviour.py): the candidate's answers may be this much longer
-    # (ratio - 1) and run away (hit the length limit or loop) on this many more points of items.
-    length_limit: float = Field(default=0.05, ge=0)
-    runaway_margin: float = Field(default=1.0, ge=0, le=100)
-    bootstrap_rounds: int = Field(default=2000, ge=100, le=100_000)
-    sequential: Sequential | None = None  # decide at the first look that certifies or refutes (release/stats.py)
-
-
-class Suite(_SuiteRules):
-    """A suite: which tasks gate a release, each with its margin in accuracy points."""
-
-    tasks: dict[str, float]  # task -> margin in accuracy points
-    clusters: dict[str, str] = Field(default_factory=dict)  # task -> the cluster key its variance is clustered by
-
-
-class _SuiteFile(_SuiteRules):
-    """A suite as written: per-task margins optional, a default margin for the rest."""
-
-    tasks: dict[str, TaskSpec | None] = Field(min_length=1)
-    margin: float = Field(default=1.0, ge=0, le=100)
-
-
-class Signal(_Strict):
-    name: str
-    estimate: float
-    low: float | None = None  # None: a point estimate without an interval
-    high: float | None = None
-    unit: str
-
-
-class TaskVerdict(_Strict):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # verdict.json is strict JSON
-
-    task: str
-    n: int
-    baseline: float  # accuracy, percent
-    candidate: float
-    delta: float  # points
-    low: float
-    high: float
-    margin: float
-    passed: bool
-    flip_rate: float  # share of items whose correctness changed
-    certifiable_margin: float  # points this n can certify at the observed discordance (true delta 0)
-    items_for_margin: int  # items needed to certify the margin at that discordance
-    signals: list[Signal] = Field(default_factory=list)
-    decided_by: list[str] = Field(default_factory=list)
-    # with an A/A run: whether the candidate's flip rate is within the engine's own (noise floor)
-    engine_noise: Literal["indistinguishable from engine noise", "beyond engine noise"] | None = None
-    regression: bool | None = None  # a failing task whose flips exceed the noise floor
-    design_effect: float = 1.0  # clustered items: the interval is widened by its square root
-    clusters: int | None = None
-    decision: Decision = "fail"  # continue: undecided at a sequential look before the last
-    note: str | None = None  # why this n cannot certify the margin, when it cannot
-
-
-class SequentialLook(_Strict):
-    look: int  # 1-based
-    looks: int
-    fraction: float  # share of the items the candidate was evaluated on
-    items: int  # candidate items evaluated, over every task
-    population: int  # items the tasks hold
-    alpha: float  # one-sided alpha this look tests at, per task
-
-
-class GateReport(_Strict):
-    """The verdict (verdict.json): what publish and the model card trust."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    baseline: str
-    candidate: str
-    passed: bool
-    confidence: float  # per task, after the correction
-    correction: str
-    tasks: list[TaskVerdict]
-    candidate_checksums: dict[str, str]  # every file the candidate ships with -> sha256
-    allowed_differences: list[str] = Field(default_factory=list)  # by the suite's may_differ
-    behaviour: list[BehaviourCheck] = Field(default_factory=list)  # generative tasks: length, runaways
-    noise_run: str | None = None  # the A/A run of the baseline's model
-    gated: str | None = None  # with no suite named: which tasks were gated, and why those
-    noise: list[NoiseFloor] = Field(default_factory=list)
-    report_files: list[str] = Field(default_factory=list)
-    decision: Decision = "fail"
-    sequential: SequentialLook | None = None
-
-
-def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> Suite:
-    """A suite file, or a built-in suite by name (``release``, ``small-model``); ``margin`` overrides every task's."""
-    from quantkit.yaml_file import load_yaml
-
-    path = suite_path(path or DEFAULT_SUITE)
-    doc = load_yaml(path, "suite")
-    try:
-        spec = _SuiteFile.model_validate(doc if doc is not None else {})
-    except ValidationError as exc:
-        raise QuantkitError(f"invalid suite: {field_error(exc)}", path) from exc
-    from quantkit.evaluation import task_spec
-
-    for name in spec.tasks:
-        try:
-            task_spec(name)
-        except QuantkitError as exc:
-            raise QuantkitError(f"invalid suite: {exc.message}", path) from exc
-    tasks = {name: float(margin if margin is not None else (t.margin if t and t.margin is not None else spec.margin))
-             for name, t in spec.tasks.items()}
-    clusters = {name: t.cluster for name, t in spec.tasks.items() if t and t.cluster}
-    return Suite(tasks=tasks, clusters=clusters, **spec.model_dump(exclude={"tasks", "margin"}))
 
 
 def load_samples(run_dir: Path, record: RunRecord, task: str) -> dict[str, SampleRecord]:
@@ -211,46 +60,49 @@ def gate(
     baseline: str | os.PathLike,
     candidate: str | os.PathLike,
     *,
-    suite: str | os.PathLike | None = None,
+    suite: str | os.PathLike | Suite | None = None,
     margin: float | None = None,
     report_dir: str | os.PathLike | None = None,
     noise: str | os.PathLike | None = None,
 ) -> GateReport:
-    """Compare CANDIDATE's run with BASELINE's per the suite; write the report files when ``report_dir`` is given.
+    """Compare CANDIDATE's run with BASELINE's per the suite (a file, a built-in name, or one ``load_suite`` read
+already); write the report files when ``report_dir`` is given.
 
     ``noise``: a second run of the baseline's model (A/A) giving the engine's own flip rate; without it,
     BASELINE/repeat-2 is used when ``eval --repeat 2`` wrote one. Raises CannotCompare (no verdict either
     way) when the runs or the suite cannot be read, or the runs differ in more than the model and what the
     suite's ``may_differ`` allows.
     """
+    baseline, candidate = Path(baseline).resolve(), Path(candidate).resolve()
     try:
-        spec = load_suite(suite, margin)
+        spec = suite if isinstance(suite, Suite) else load_suite(suite, margin)
     except CannotCompare:
         raise
     except QuantkitError as exc:
         raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
-    base_record, cand_record = read_run_record(Path(baseline)), read_run_record(Path(candidate))
-    spec, gated = _shared_tasks(spec, margin, base_record, cand_record, candidate) if suite is None else (spec, None)
+    base_record, cand_record = read_run_record(baseline), read_run_record(candidate)
+    spec, gated = shared_tasks(spec, base_record, cand_record, candidate) if spec.path is None else (spec, None)
     _require_tasks(spec, (base_record, baseline), (cand_record, candidate))
     allowed = _allowed_differences(spec, base_record, cand_record, candidate)
     k = len(spec.tasks)
     alpha = spec.alpha / k if spec.correction == "bonferroni" else spec.alpha  # two-sided, per task
-    look = _look(spec, base_record, cand_record, alpha / 2, candidate) if spec.sequential else None
-    z = z_of(look.alpha if look else alpha / 2)
-    if noise is None and (Path(baseline) / REPEAT_DIR / "run.json").is_file():
-        noise = Path(baseline) / REPEAT_DIR
-    noise_record = read_noise_run(Path(noise), base_record) if noise is not None else None
+    at = look(spec, base_record, cand_record, alpha / 2, candidate) if spec.sequential else None
+    z = z_of(at.alpha if at else alpha / 2)
+    if noise is None and (baseline / REPEAT_DIR / "run.json").is_file():
+        noise = baseline / REPEAT_DIR
+    noise = Path(noise).resolve() if noise is not None else None
+    noise_record = read_noise_run(noise, base_record) if noise is not None else None
     verdicts, behaviour, floors = [], [], []
-    for task, task_margin in spec.tasks.items():
-        b, c = load_samples(Path(baseline), base_record, task), load_samples(Path(candidate), cand_record, task)
+    for task, task_spec in spec.tasks.items():
+        b, c = load_samples(baseline, base_record, task), load_samples(candidate, cand_record, task)
         ids = _paired_items(task, b, c, candidate, subset=spec.sequential is not None)
-        clusters = _clusters(task, spec, base_record, ids, b, baseline)
-        verdict = _task_verdict(task, ids, b, c, task_margin, z, spec, clusters)
-        verdict.decision = _decision(verdict, look)
+        clusters = _clusters(task, task_spec.cluster, base_record, ids, b, baseline)
+        verdict = _task_verdict(task, ids, b, c, task_spec.margin, z, spec, clusters)
+        verdict.decision = decision(verdict, at)
         verdict.passed = verdict.decision == "pass"
         behaviour += _behaviour_checks(task, ids, [(baseline, b), (candidate, c)], spec, z)
         if noise is not None and noise_record is not None:
-            again = load_samples(Path(noise), noise_record, task)
+            again = load_samples(noise, noise_record, task)
             _paired_items(task, b, again, noise)
             floor = noise_floor(task, ids, b, again)
             floors.append(floor)
@@ -258,11 +110,11 @@ def gate(
             verdict.engine_noise = "indistinguishable from engine noise" if within else "beyond engine noise"
             verdict.regression = verdict.decision == "fail" and not within
         verdicts.append(verdict)
-    decision = _overall(verdicts, behaviour, look)
+    decided = overall(verdicts, behaviour, at)
     report = GateReport(
         baseline=str(baseline),
         candidate=str(candidate),
-        passed=decision == "pass",
+        passed=decided == "pass",
         confidence=1 - 2 * z_tail(z),
         correction=f"{spec.correction} over {k} tasks" if spec.correction == "bonferroni" else "none",
         tasks=verdicts,
@@ -272,8 +124,10 @@ def gate(
         noise_run=str(noise) if noise is not None else None,
         gated=gated,
         noise=floors,
-        decision=decision,
-        sequential=look,
+        decision=decided,
+        sequential=at,
+        suite=spec.path,
+        margin=spec.margin,
     )
     if report_dir is not None:
         from quantkit.release.report import write_gate_report
@@ -290,22 +144,6 @@ def _require_tasks(spec: Suite, *runs: tuple[RunRecord, str | os.PathLike]) -> N
         if missing:
             raise CannotCompare(f"task {missing[0]} is not in this run (the suite gates {', '.join(spec.tasks)})",
                                 Path(run) / "run.json")
-
-
-def _shared_tasks(spec: Suite, margin: float | None, base: RunRecord, cand: RunRecord, candidate) -> tuple[Suite, str]:
-    """No suite named: the built-in suite's rules over the tasks both runs hold, each at the suite's margin for it (a
-    task the suite does not list: its default margin) unless ``margin`` is given. Evaluating a few tasks and gating
-    them is the everyday use; a suite file says which tasks must be there."""
-    shared = [t for t in base.tasks if t in cand.tasks]
-    if not shared:
-        raise CannotCompare(f"the runs share no task (baseline: {', '.join(base.tasks) or 'none'}; candidate: "
-                            f"{', '.join(cand.tasks) or 'none'})", Path(candidate) / "run.json")
-    default = margin if margin is not None else _SuiteFile.model_fields["margin"].default
-    tasks = {t: spec.tasks.get(t, default) for t in shared}
-    clusters = {t: key for t, key in spec.clusters.items() if t in tasks}
-    note = (f"no suite named: gated the {len(tasks)} task(s) both runs hold ({', '.join(tasks)}) under the "
-            f"{DEFAULT_SUITE} suite's rules")
-    return spec.model_copy(update={"tasks": tasks, "clusters": clusters}), note
 
 
 _LOOK_FIELD = re.compile(r"^tasks\.[^.]+\.(limit|items|order)$")  # what a sequential look changes in a run
@@ -338,64 +176,9 @@ def _behaviour_checks(task: str, ids: list[str], runs: list[tuple], spec: Suite,
             runaway_check(task, ids, b, c, spec.runaway_margin, z)]
 
 
-def _look(spec: Suite, base: RunRecord, cand: RunRecord, alpha_one_sided: float, candidate) -> SequentialLook:
-    """Which look of the suite's plan the candidate's run is, and the alpha that look spends: every task's items are
-    the seeded-order prefix at one and the same look (eval --order seeded --fraction t). Looks that round to one item
-    count for a task are one look there, the last of them, spending what they spend together: a run of every item is
-    always the last look, which decides."""
-    plan = spec.sequential
-    assert plan is not None  # called for sequential suites only
-    sizes: dict[str, list[int]] = {}
-    for task in spec.tasks:
-        b, c = base.tasks.get(task), cand.tasks.get(task)
-        if b is None or c is None or c.population is None or c.items is None:
-            raise CannotCompare(f"task {task}: a sequential gate needs both runs to hold it with its item count",
-                                candidate)
-        if c.order != "seeded":
-            raise CannotCompare(f"task {task}: the candidate's items are in the file's order; a sequential gate looks "
-                                "at seeded-order prefixes (eval --order seeded --fraction)", candidate)
-        sizes[task] = [math.ceil(t * c.population) for t in plan.looks]
-        if c.items not in sizes[task]:
-            raise CannotCompare(f"task {task}: {c.items} items is none of the looks {sizes[task]} of the suite's plan",
-                                candidate)
-    counts = {task: cast(int, cand.tasks[task].items) for task in spec.tasks}
-    index = max((i for i in range(len(plan.looks)) if all(sizes[t][i] == counts[t] for t in spec.tasks)), default=None)
-    if index is None:
-        raise CannotCompare("the tasks were evaluated at different looks; evaluate them at one --fraction", candidate)
-    alphas = look_alphas(alpha_one_sided, plan.looks, plan.spending)
-    # a task spends from the first look past the last one at which it held fewer items; min: none over-spends
-    alpha = min(sum(alphas[next(i for i in range(index + 1) if sizes[t][i] == counts[t]):index + 1])
-                for t in spec.tasks)
-    items = sum(counts.values())
-    population = sum(cast(int, cand.tasks[t].population) for t in spec.tasks)
-    return SequentialLook(look=index + 1, looks=len(plan.looks), fraction=plan.looks[index], items=items,
-                          population=population, alpha=alpha)
-
-
-def _decision(verdict: TaskVerdict, look: SequentialLook | None) -> Decision:
-    """Pass when the interval's low end clears -margin; at a look before the last, fail only when its high end is
-    below -margin (inferiority shown), else continue to the next look."""
-    if verdict.passed:
-        return "pass"
-    if look is None or look.look == look.looks or verdict.high < -verdict.margin:
-        return "fail"
-    return "continue"
-
-
-def _overall(verdicts: list[TaskVerdict], behaviour: list[BehaviourCheck], look: SequentialLook | None) -> str:
-    if any(v.decision == "fail" for v in verdicts):
-        return "fail"
-    if any(v.decision == "continue" for v in verdicts):
-        return "continue"
-    if not all(check.passed for check in behaviour):
-        return "continue" if look is not None and look.look < look.looks else "fail"
-    return "pass"
-
-
-def _clusters(task: str, spec: Suite, record: RunRecord, ids: list[str], b: dict[str, SampleRecord],
+def _clusters(task: str, key: str | None, record: RunRecord, ids: list[str], b: dict[str, SampleRecord],
               baseline) -> list[str] | None:
-    """Each item's cluster, when the suite clusters the task: the runs must carry the key the suite names."""
-    key = spec.clusters.get(task)
+    """Each item's cluster, when the suite clusters the task by KEY: the runs must carry the key the suite names."""
     if key is None:
         return None
     if record.tasks[task].cluster_key != key:

@@ -28,7 +28,7 @@ from quantkit.checkpoint.writer import (
 from quantkit.errors import QuantkitError, field_error
 
 if TYPE_CHECKING:
-    from quantkit.release.gate import GateReport
+    from quantkit.release.verdict import GateReport
 
 class PublishRefused(QuantkitError):
     """What would be published is not what was gated (or was never gated)."""
@@ -95,7 +95,7 @@ def publish(
 
 def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -> GateReport | None:
     """The passing verdict whose checksums are every file DST ships now, or None when publishing ungated."""
-    from quantkit.release.gate import GateReport
+    from quantkit.release.verdict import GateReport
 
     if gate is None:
         if force_ungated:
@@ -109,6 +109,7 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
         raise PublishRefused(f"cannot read the gate verdict ({exc.strerror})", gate) from exc
     except ValidationError as exc:
         raise PublishRefused(f"not a gate verdict ({field_error(exc)})", gate) from exc
+    verdict = _gate_again(verdict, gate)
     if not verdict.passed or not verdict.tasks or not all(t.passed for t in verdict.tasks):
         failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
@@ -122,6 +123,23 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
         if sha256_file(dst / name) != recorded[name]:
             raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", dst / name)
     return verdict
+
+
+def _gate_again(verdict: GateReport, path: Path) -> GateReport:
+    """The verdict computed again from the two run folders it names, by the suite and margin it records: a verdict
+    edited to pass, or runs changed since the gate, are refused instead of trusted."""
+    from quantkit.errors import CannotCompare
+    from quantkit.release.gate import gate
+
+    try:
+        again = gate(verdict.baseline, verdict.candidate, suite=verdict.suite, margin=verdict.margin,
+                     noise=verdict.noise_run)
+    except CannotCompare as exc:
+        raise PublishRefused(f"cannot gate again from the runs the verdict names: {exc}", path) from exc
+    if again.model_dump(exclude={"report_files"}) != verdict.model_dump(exclude={"report_files"}):
+        raise PublishRefused("differs from the verdict its runs give when gated again (edited, or the runs changed "
+                             "since); gate again", path)
+    return again
 
 
 def _local_target(dst: Path, repo: str) -> Path:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_scores
 from quantkit.release.config import ReleaseConfig
 from quantkit.release.state import STATE_NAME, ReleaseState
+from quantkit.release.suite import Suite, load_suite
 
 
 class StageStatus(str, Enum):
@@ -76,6 +78,11 @@ class Chain:
     @property
     def suite(self) -> Path | None:
         return self.resolve(self.config.suite)
+
+    @cached_property
+    def gate_suite(self) -> Suite:
+        """The suite the release gates by, read once (its file's edits re-run the gate: ``_suite_files``)."""
+        return load_suite(self.suite, self.config.margin)
 
     @property
     def publish_target(self) -> tuple[str, str]:
@@ -189,9 +196,9 @@ def _eval_baseline(chain: Chain) -> Outcome:
 
 
 def _eval_candidate(chain: Chain) -> Outcome:
-    from quantkit.release.gate import gate, load_suite
+    from quantkit.release.gate import gate
 
-    looks = load_suite(chain.suite, chain.config.margin).sequential
+    looks = chain.gate_suite.sequential
     if looks is None:
         return _scores(chain.evaluate(chain.model, chain.candidate_run, chain.candidate_kv).scores)
     # sequential: the candidate's items in the seeded order, one look at a time, until the gate decides; each
@@ -199,7 +206,7 @@ def _eval_candidate(chain: Chain) -> Outcome:
     for at in range(1, len(looks.looks) + 1):
         fraction = looks.looks[at - 1]
         done = chain.evaluate(chain.model, chain.candidate_run, chain.candidate_kv, fraction=fraction)
-        decision = gate(chain.baseline_run, chain.candidate_run, suite=chain.suite, margin=chain.config.margin).decision
+        decision = gate(chain.baseline_run, chain.candidate_run, suite=chain.gate_suite).decision
         if decision != "continue":
             break
     return f"look {at} of {len(looks.looks)} ({fraction:.0%} of the items, {decision}): {_scores(done.scores)}"
@@ -209,8 +216,7 @@ def _gate(chain: Chain) -> Outcome:
     from quantkit.release.gate import gate
     from quantkit.release.report import markdown
 
-    report = gate(chain.baseline_run, chain.candidate_run, suite=chain.suite, margin=chain.config.margin,
-                  report_dir=chain.gate_dir)
+    report = gate(chain.baseline_run, chain.candidate_run, suite=chain.gate_suite, report_dir=chain.gate_dir)
     chain.gate_table = markdown(report)
     if not report.passed:
         failed = ", ".join([f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}] vs -{t.margin:g}"
@@ -299,7 +305,7 @@ def _kv_data_files(chain: Chain) -> list[Path]:
 
 def _suite_files(chain: Chain) -> list[Path]:
     from quantkit.packaged import suite_path
-    from quantkit.release.gate import DEFAULT_SUITE
+    from quantkit.release.suite import DEFAULT_SUITE
 
     return [suite_path(chain.suite or DEFAULT_SUITE)]
 

@@ -12,32 +12,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from quantkit.checkpoint.writer import sha256_file, write_bytes_atomic
 from quantkit.errors import QuantkitError, field_error
+from quantkit.settings import Section
 
 STATE_NAME = "release-state.json"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class FileRecord(_Strict):
+class FileRecord(Section):
     size: int = Field(ge=0)
     mtime_ns: int
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class StageState(_Strict):
+class StageState(Section):
     fingerprint: str
     seconds: float
     summary: str
     outputs: list[str] | None = None  # absolute paths; None: recorded by a quantkit that kept no outputs
 
 
-class ReleaseState(_Strict):
+class ReleaseState(Section):
     stages: dict[str, StageState] = Field(default_factory=dict)
     owns_model: bool = False  # WORK/model was written by this release (so it may replace it)
     files: dict[str, FileRecord] = Field(default_factory=dict)  # every output file of a finished stage, as left

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True)
 class Finding:
-    check: str  # structure | numbers | integrity | engine | smoke
+    check: Literal["structure", "numbers", "integrity", "engine", "smoke"]
     rule: str
     message: str
     tensor: str | None = None
