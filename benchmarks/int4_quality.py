@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -123,10 +124,20 @@ def main() -> None:
     names = [n.strip() for n in args.only.split(",") if n.strip()] or [
         "rtn", "rtn-asym", "gptq", "gptq-cpu", "signround", "budget", "oneshot", "auto-round"]
     cpu_gptq = None
-    if "gptq-cpu" in names:  # the GPU's candidates meanwhile; its own threads
+    if "gptq-cpu" in names:  # the GPU's candidates meanwhile, on half the cores: the GPU's runs need a core to launch
+        threads = str(max(1, (os.cpu_count() or 2) // 2))
         cpu_gptq = subprocess.Popen([sys.executable, "-m", "quantkit", "convert", str(source), str(work / "gptq-cpu"),
                                      "-r", RECIPES["gptq"], "--device", "cpu", "--force", "--json"],
-                                    stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
+    try:
+        score_all(names, source, work, cpu_gptq, args)
+    finally:  # a candidate that fails must not leave the CPU conversion running beside whatever runs next
+        if cpu_gptq is not None and cpu_gptq.poll() is None:
+            cpu_gptq.kill()
+
+
+def score_all(names: list[str], source: Path, work: Path, cpu_gptq, args) -> None:
+    """Make and score each candidate; the table at the end."""
     rows = calibration_rows(source)
     held_out = held_out_batches(source)
     base = arc_outcomes(source, work / "runs" / "source", args)

@@ -160,12 +160,14 @@ def held_out_batches(model: Path, samples: int = 64, seq_len: int = 256) -> list
 
 def loaded(folder: Path, device: str):
     """A checkpoint as transformers loads it, computing in fp32: compressed-tensors decompresses INT4 weights into
-    dense ones (left compressed, a Linear has no ``weight`` outside its model's own forward)."""
+    dense ones (left compressed, a Linear has no ``weight`` outside its model's own forward). Placed by
+    ``device_map``: on an H200 (transformers 5.17) ``.to("cuda")`` left a decompressed model's weights on the CPU,
+    and its logits met CUDA targets."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
     extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=device, **extra).eval()
 
 
 def perplexity(folder: Path, batches: list, device: str) -> float:
