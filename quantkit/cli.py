@@ -331,7 +331,9 @@ def plan_cmd(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe to size the output for.")] = None,
     tp: TpOpt = PLAN.tp,
     gpu: Annotated[str, typer.Option(help="h100, h200 or b200 (memory as the GPU reports it).")] = str(PLAN.gpu),
-    gpu_mem: Annotated[Optional[float], typer.Option(min=1, help="GPU memory in GiB (overrides --gpu).")] = None,
+    gpu_mem_gib: Annotated[Optional[float], typer.Option(
+        "--gpu-mem-gib", "--gpu-mem", min=1, help="GPU memory in GiB (overrides --gpu; --gpu-mem: its older name).")
+    ] = PLAN.gpu_mem_gib,
     kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: bf16 or fp8_e4m3.")] = PLAN.kv_dtype,
     mem_fraction: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of GPU memory for weights + KV "
             "(SGLang --mem-fraction-static).")] = PLAN.mem_fraction,
@@ -346,9 +348,9 @@ def plan_cmd(
     """Size the conversion and the deployment: bytes by component, per-GPU memory, KV capacity."""
     from quantkit.plan import plan
 
-    report = plan(src, recipe=recipe, tp=tp, gpu=gpu, gpu_mem_gib=gpu_mem, kv_dtype=kv_dtype, mem_fraction=mem_fraction,
-                  context_len=context_len, page_size=page_size, max_shard_size=max_shard_size, deploy=deploy,
-                  chart=chart)
+    report = plan(src, recipe=recipe, tp=tp, gpu=gpu, gpu_mem_gib=gpu_mem_gib, kv_dtype=kv_dtype,
+                  mem_fraction=mem_fraction, context_len=context_len, page_size=page_size,
+                  max_shard_size=max_shard_size, deploy=deploy, chart=chart)
     if json_out:
         _emit_json(report)
         return

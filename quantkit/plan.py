@@ -102,7 +102,7 @@ def plan(
         raise QuantkitError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}")
     gpu_bytes = int(gpu_mem_gib * GIB) if gpu_mem_gib else GPUS.get(gpu or "")
     if not gpu_bytes:
-        raise QuantkitError(f"unknown GPU {gpu!r} (known: {', '.join(GPUS)}); or give --gpu-mem GiB")
+        raise QuantkitError(f"unknown GPU {gpu!r} (known: {', '.join(GPUS)}); or give --gpu-mem-gib GiB")
     root = Path(src)
     from_headers = any(root.glob("*.safetensors"))
     ckpt = open_checkpoint(root) if from_headers else virtual_checkpoint(root)

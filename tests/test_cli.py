@@ -84,3 +84,17 @@ def test_evals_options_are_named_as_the_library_names_its_settings():
         assert spelled in opts, (name, opts)
         assert name in library or name in cli_only, name
     assert "--health-timeout" in options["health_timeout"] and len(options) >= 19
+
+
+def test_plans_options_are_named_as_the_library_names_its_settings():
+    import typer.main
+
+    from quantkit.settings import PlanSettings
+
+    command = typer.main.get_command(app).commands["plan"]
+    options = {p.name: p.opts for p in command.params if p.param_type_name == "option"}
+    cli_only = {"recipe": "--recipe", "deploy": "--deploy", "chart": "--chart", "json_out": "--json"}
+    for name, opts in options.items():
+        assert cli_only.get(name, "--" + name.replace("_", "-")) in opts, (name, opts)
+        assert name in PlanSettings.model_fields or name in cli_only, name
+    assert set(PlanSettings.model_fields) <= set(options)

@@ -34,7 +34,7 @@ def test_plan_deploys_chart_is_not_written_through_a_link(synthetic, tmp_path):
     chart = tmp_path / "plan-memory.png"
     target = plant_link(chart, tmp_path)
     result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
-                      "--gpu-mem", 1, "--chart", chart)
+                      "--gpu-mem-gib", 1, "--chart", chart)
     assert result.exit_code == 0, result.output
     assert replaced_by_a_picture(chart, target)
 
