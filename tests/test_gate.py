@@ -34,6 +34,20 @@ def suite(tmp_path, tasks, margin=1.0, **extra):
     return path
 
 
+def passing_verdict(model, folder):
+    """FOLDER/gate/verdict.json: two equal runs of 200 ARC-Easy items gated at a 5-point margin, the candidate's
+    run recording MODEL's files as what it ships (what publish checks them against)."""
+    from quantkit.evaluation import model_checksums
+
+    base = write_run(folder / "base", {"arc_easy": [1, 0, 1, 1] * 50})
+    cand = write_run(folder / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
+    meta = json.loads((cand / "run.json").read_text())
+    meta["model_checksums"] = model_checksums(model)
+    (cand / "run.json").write_text(json.dumps(meta))
+    gate(base, cand, suite=suite(folder, ["arc_easy"], margin=5.0), report_dir=folder / "gate")
+    return folder / "gate" / "verdict.json"
+
+
 def paired(n, p_base, flip_down, flip_up, rng):
     """Baseline correct with p_base; the candidate loses an item with flip_down, gains one with flip_up."""
     base, cand = [], []

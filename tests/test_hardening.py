@@ -144,18 +144,9 @@ def test_publish_never_writes_into_the_source_dst_or_someone_elses_folder(synthe
 @pytest.fixture
 def gated(llama_int4, tmp_path):
     """DST with a passing verdict whose checksums are DST's files now."""
-    from test_gate import suite, write_run
+    from test_gate import passing_verdict
 
-    from quantkit.evaluation import model_checksums
-    from quantkit.release.gate import gate
-
-    base = write_run(tmp_path / "base", {"arc_easy": [1, 0, 1, 1] * 50})
-    cand = write_run(tmp_path / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
-    meta = json.loads((cand / "run.json").read_text())
-    meta["model_checksums"] = model_checksums(llama_int4)
-    (cand / "run.json").write_text(json.dumps(meta))
-    gate(base, cand, suite=suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
-    return llama_int4, tmp_path / "gate" / "verdict.json"
+    return llama_int4, passing_verdict(llama_int4, tmp_path)
 
 
 @pytest.mark.parametrize("change, name", [

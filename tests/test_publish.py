@@ -6,13 +6,12 @@ import shutil
 
 import pytest
 import yaml
-from test_gate import suite, write_run
+from test_gate import passing_verdict, suite
 from typer.testing import CliRunner
 
 from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.cli import app
 from quantkit.convert import convert
-from quantkit.evaluation import model_checksums
 from quantkit.release.gate import gate
 from quantkit.release.publish import PublishRefused, publish
 
@@ -24,13 +23,7 @@ def gated(synthetic, tmp_path):
     """A converted GLM-5-shaped checkpoint and a passing gate verdict over its shards."""
     dst = tmp_path / "int4"
     convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu")
-    base = write_run(tmp_path / "base", {"arc_easy": [1, 0, 1, 1] * 50})
-    cand = write_run(tmp_path / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
-    meta = json.loads((cand / "run.json").read_text())
-    meta["model_checksums"] = model_checksums(dst)
-    (cand / "run.json").write_text(json.dumps(meta))
-    gate(base, cand, suite=suite(tmp_path, ["arc_easy"], margin=5.0), report_dir=tmp_path / "gate")
-    return dst, tmp_path / "gate" / "verdict.json"
+    return dst, passing_verdict(dst, tmp_path)
 
 
 def test_publish_to_a_local_folder_with_a_truthful_card(gated, synthetic, tmp_path):
