@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from quantkit.errors import QuantkitError, field_error
 
@@ -106,8 +106,6 @@ class Quantization:
 
     def compressed(self):
         """compressed-tensors' QuantizationConfig (formats/quant_config.py), or None for another method."""
-        from pydantic import ValidationError
-
         from quantkit.formats.quant_config import QuantizationConfig
 
         if self.method != "compressed-tensors":
@@ -175,8 +173,6 @@ class ModelConfig(BaseModel):
     @classmethod
     def read(cls, raw: dict, path: Path | None = None) -> ModelConfig:
         """RAW (config.json's object, at PATH) checked and typed, or a one-line error naming the field."""
-        from pydantic import ValidationError
-
         check_config(raw, path)
         try:
             config = cls.model_validate(raw)
