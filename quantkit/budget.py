@@ -87,7 +87,7 @@ def option_bytes(option: str, shape: tuple[int, int], symmetric: bool = True) ->
 
 def parse_budget(text: str, source_bytes: int) -> int:
     """``421GB`` / ``512MiB`` / a byte count, or a fraction of the source's bytes (``0.6``)."""
-    from quantkit.convert import parse_size
+    from quantkit.sizes import parse_size
 
     if re.fullmatch(r"\s*(0?\.\d{1,15}|1(\.0*)?)\s*", text):
         return int(float(text) * source_bytes)

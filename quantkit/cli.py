@@ -197,15 +197,20 @@ def convert_cmd(
                                             "unchanged: auto (the model's dtype on a GPU; on a CPU it or fp32, "
                                             "whichever a matmul probe finds faster), bf16, fp16 or fp32.")]
     = CONVERT.dtype,
+    gpu_memory: Annotated[Optional[str], typer.Option(help="GPTQ and SignRound recipes: what one layer may hold on "
+                                                            "each GPU, e.g. 70GiB (default: what the GPU has free, "
+                                                            "less a margin); a MoE layer's experts are worked in "
+                                                            "groups that fit.")] = CONVERT.gpu_memory,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe (RTN or GPTQ)."""
+    """Convert a block-FP8 / BF16 checkpoint to compressed-tensors INT4 with a recipe (RTN, GPTQ or SignRound)."""
     from quantkit.convert import convert
 
     with _bytes_progress(enabled=not json_out and err.is_terminal, label="converting") as on_progress:
         result = convert(src, dst, recipe, device=device, workers=workers, max_shard_size=max_shard_size,
                          resume=resume, force=force, verify_reused=verify_reused, calibration_data=calibration_data,
-                         dtype=dtype, on_progress=on_progress, on_layer=None if json_out else _CalibratedLayerLog())
+                         dtype=dtype, gpu_memory=gpu_memory, on_progress=on_progress,
+                         on_layer=None if json_out else _CalibratedLayerLog())
     if json_out:
         _emit_json(result)
         return
@@ -250,8 +255,11 @@ class _CalibratedLayerLog:
             eta = f", ETA {(layers - self.seen) * sum(self.times) / len(self.times) / 60:.1f} min"
         state = "kept from the interrupted run" if report.reused else f"{report.seconds:.1f}s, loss {report.loss:.4g}"
         rtn = f", {report.rtn} weight(s) RTN" if report.rtn else ""
+        groups = f", experts in {report.expert_groups} groups" if report.expert_groups > 1 else ""
+        peak = f", peak GPU {report.peak_device_bytes / 2**30:.1f} GiB" if report.peak_device_bytes else ""
         name = {"gptq": "GPTQ", "signround": "SignRound"}.get(report.method, report.method)
-        err.print(f"{name} layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{eta}", highlight=False)
+        err.print(f"{name} layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{groups}{peak}{eta}",
+                  highlight=False)
 
 
 @command("calibrate-kv")

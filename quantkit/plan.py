@@ -169,9 +169,9 @@ def _sizes_after(ckpt, recipe: str, max_shard_size: str, sizes: dict[str, Compon
                  component_of: _ComponentOf) -> int:
     """The converted checkpoint's bytes, exact to the byte (shards with their headers, as convert writes them); each
     component's share goes into ``sizes``."""
-    from quantkit.convert import parse_size
     from quantkit.convert.tensor_plan import plan_conversion
     from quantkit.formats.recipe import load_recipe
+    from quantkit.sizes import parse_size
 
     conversion = plan_conversion(ckpt, load_recipe(recipe), parse_size(max_shard_size))
     for shard in conversion.shards:

@@ -20,6 +20,7 @@ class ConvertSettings(Section):
     max_shard_size: str = "5GB"
     calibration_data: str | None = None  # GPTQ and SignRound recipes: instead of the recipe's own calibration file
     dtype: str = "auto"  # what a GPTQ recipe's layer walk computes in: auto, bf16, fp16 or fp32
+    gpu_memory: str | None = None  # what a calibrated layer may hold on each GPU (default: what it has free)
 
 
 class CalibrateSettings(Section):

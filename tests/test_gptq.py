@@ -160,6 +160,23 @@ def moe_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.parametrize("mode,limit", [("routed", 2_000_000), ("all", 1_470_000)])
+def test_experts_worked_in_groups_that_fit_a_budget_give_the_same_bytes(moe_runs, tmp_path, monkeypatch, mode, limit):
+    """A GPU memory budget too small for every expert's Hessians at once splits each MoE layer's experts into groups,
+    each summed from the layer's kept inputs, quantized and freed before the next: the same Hessians, in the same
+    order, so the same bytes as all experts at once. (On a CPU a budget only sizes the groups: what the walk holds
+    there is not counted.)"""
+    from quantkit.convert.calibrated import memory
+
+    run = moe_runs["glm_moe_dsa"]
+    monkeypatch.setattr(memory.Budget, "of", classmethod(lambda cls, device, spec=None: cls(device, limit)))
+    layers = []
+    convert(run["src"], tmp_path / "grouped", run[f"{mode}-recipe"], device="cpu",
+            on_layer=lambda report, n: layers.append(report))
+    assert [r.expert_groups for r in layers] == [3, 3]  # 8 experts: 3 + 3 + 2
+    assert tree_bytes(tmp_path / "grouped") == tree_bytes(run[mode])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(RTN_FOR))
 def test_gptq_lowers_every_moe_layers_held_out_error_below_rtn(moe_runs, family):
@@ -428,8 +445,7 @@ def test_without_llm_compressor_a_gptq_recipe_stops_before_writing(synthetic, tm
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("importer", ["quantkit.convert.calibrated.gptq:llmcompressor_gptq",
-                                      "quantkit.convert.calibrated.signround:llmcompressor_autoround"])
+@pytest.mark.parametrize("importer", ["quantkit.convert.calibrated.gptq:llmcompressor_gptq"])
 def test_importing_llm_compressor_through_quantkit_leaves_its_own_gptq_usable(importer):
     """quantkit imports llm-compressor with its log off and stdout on stderr; llm-compressor 0.14 then skips
     registering its METRIC level, which its CompressionLogger logs at after every module, so its own oneshot in

@@ -146,6 +146,60 @@ def test_gptq_with_routed_experts_on_cuda(synthetic, tmp_path):
     assert result.calibrated["weights_by_method"].get("gptq", 0) > 0, result.calibrated["weights_by_method"]
     quantkit("verify", tmp_path / "routed", "--source", synthetic["glm_moe_dsa"])
 
+def _routed_gptq(tmp_path):
+    recipe = gptq_recipe(tmp_path)
+    recipe.write_text(recipe.read_text().replace("quantkit_calibration:\n",
+                                                 "quantkit_calibration:\n  experts: routed\n  min_expert_tokens: 8\n"))
+    return recipe
+
+
+def test_gptq_experts_in_groups_on_cuda_give_the_bytes_of_one_group(synthetic, tmp_path, monkeypatch):
+    """A budget that leaves room for three experts' Hessians at a time: the same bytes as all eight at once."""
+    from quantkit.convert.calibrated import memory
+
+    recipe = _routed_gptq(tmp_path)
+    convert(synthetic["glm_moe_dsa"], tmp_path / "whole", recipe, device="cuda")
+    monkeypatch.setattr(memory.Budget, "room", lambda self: 3 * 4 * (128 * 128 + 256 * 256) + 1_000_000)
+    layers = []
+    convert(synthetic["glm_moe_dsa"], tmp_path / "grouped", recipe, device="cuda",
+            on_layer=lambda report, n: layers.append(report))
+    assert all(r.expert_groups > 1 and r.peak_device_bytes > 0 for r in layers), layers
+    assert tree_bytes(tmp_path / "grouped") == tree_bytes(tmp_path / "whole")
+
+
+def test_layer_inputs_kept_in_host_memory_give_the_same_bytes(synthetic, tmp_path, monkeypatch):
+    from quantkit.convert import calibrated
+
+    recipe = _routed_gptq(tmp_path)
+    convert(synthetic["glm_moe_dsa"], tmp_path / "device", recipe, device="cuda")
+    monkeypatch.setattr(calibrated, "memory_plan", lambda *args: "cpu")
+    convert(synthetic["glm_moe_dsa"], tmp_path / "host", recipe, device="cuda")
+    assert tree_bytes(tmp_path / "host") == tree_bytes(tmp_path / "device")
+
+
+def test_signround_experts_in_groups_on_cuda(tmp_path, monkeypatch):
+    from test_signround import signround_recipe
+
+    from quantkit.convert.calibrated import memory
+
+    model = build_synthetic("glm_moe_dsa", tmp_path / "bf16", seed=1, fp8=False)
+    recipe = signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32", iters=8)
+    monkeypatch.setattr(memory.Budget, "room", lambda self: 8 * 2**20)  # two experts' tuning state a group
+    layers = []
+    result = convert(model, tmp_path / "sr", recipe, device="cuda", on_layer=lambda report, n: layers.append(report))
+    assert [r.expert_groups for r in layers] == [4, 4]
+    assert result.calibrated["weights_by_method"] == {"signround": 48, "rtn": 24}
+    quantkit("verify", tmp_path / "sr", "--source", model)
+
+
+def test_a_layer_that_cannot_fit_the_gpu_is_one_line_before_any_work(synthetic, tmp_path):
+    result = runner.invoke(app, ["convert", str(synthetic["glm_moe_dsa"]), str(tmp_path / "out"), "-r",
+                                 str(gptq_recipe(tmp_path)), "--device", "cuda", "--gpu-memory", "1MiB"])
+    assert result.exit_code == 1, result.output
+    assert "decoder layer" in result.output and "--gpu-memory" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_calibrate_kv_on_cuda_matches_the_cpu(synthetic, tmp_path):
     converted = tmp_path / "int4"
     convert(synthetic["glm_moe_dsa"], converted, "glm5-int4-experts-g32", device="cuda")

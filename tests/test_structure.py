@@ -14,7 +14,7 @@ MAX_INIT_LINES = 250
 
 # Lowest first; a module may import its own layer's and lower layers' modules, never a higher layer's.
 LAYERS = [
-    {"quantkit", "errors", "inert", "settings", "yaml_file", "devices", "compute_dtype", "packaged", "calibration_data",
+    {"quantkit", "errors", "inert", "settings", "sizes", "yaml_file", "devices", "compute_dtype", "packaged", "calibration_data",
      "gc_pause"},
     {"formats"},
     {"checkpoint"},

@@ -13,7 +13,6 @@ their sha256, files only appear under their final names once complete, and a re-
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from collections import Counter
@@ -29,6 +28,7 @@ from quantkit.checkpoint.writer import folder_lock
 from quantkit.convert import calibrated
 from quantkit.convert import dst as dst_folder
 from quantkit.convert.calibrated import calibration_batches_of as calibration_batches
+from quantkit.convert.calibrated.memory import Budget
 from quantkit.convert.dst import DifferentRun, output_quantization_config
 from quantkit.convert.pipeline import Job, Progress, Stats, run_all
 from quantkit.convert.tensor_plan import ConversionPlan, plan_conversion
@@ -36,6 +36,7 @@ from quantkit.devices import resolve_devices
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import Recipe, load_recipe
 from quantkit.settings import CONVERT
+from quantkit.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -65,18 +66,6 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB' -> 5e9, '512MiB' -> 512 * 2**20, plain numbers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)  # bounded
-    if not m:
-        raise QuantkitError(f"cannot read size {text!r} (examples: 5GB, 512MiB, 1000000)")
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    power = " KMGT".index(unit or " ")
-    return int(number * (1024 if binary else 1000) ** power)
-
-
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -90,6 +79,7 @@ def convert(
     verify_reused: bool = True,
     calibration_data: str | os.PathLike | None = None,
     dtype: str = CONVERT.dtype,
+    gpu_memory: str | int | None = CONVERT.gpu_memory,
     on_progress: Callable[[int, int], None] | None = None,
     on_layer: Callable | None = None,
 ) -> ConvertResult:
@@ -105,6 +95,8 @@ def convert(
     :param dtype: what a GPTQ recipe's layer walk computes in (``auto``, ``bf16``, ``fp16``, ``fp32``; weights and
         scales are the checkpoint's either way). ``auto``: the model's dtype on a GPU, on a CPU it or FP32, whichever
         runs faster there. SignRound tunes in the model's dtype, as llm-compressor does.
+    :param gpu_memory: what a GPTQ or SignRound layer may hold on each GPU (e.g. ``70GiB``; default: what the GPU has
+        free, less a margin); a MoE layer's experts are worked in groups that fit it (convert/calibrated/memory.py).
     :param on_progress: ``on_progress(done_bytes, total_bytes)`` over source bytes.
     :param on_layer: ``on_layer(report, layers)`` after each layer of a GPTQ or SignRound recipe's walk
         (convert/calibrated/walk.py).
@@ -113,7 +105,7 @@ def convert(
 
     started = time.perf_counter()
     job = _setup(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume, force,
-                 calibration_data, dtype)
+                 calibration_data, dtype, gpu_memory)
     manifest = _manifest(job)
     dst_folder.make_folder(job.dst)
     dst_folder.refuse_foreign(job.dst)  # before the lock file is created in someone else's folder; again under the lock
@@ -156,10 +148,12 @@ class _Conversion:
     workers: int
     batches: list | None  # a calibrated recipe's token batches
     compute: torch.dtype | None = None  # what a GPTQ walk computes in; None: the model's dtype
+    budget: Budget | None = None  # the GPU memory a calibrated layer may hold
+    store: str | None = None  # where the calibrated walk keeps the layer inputs (None: on the device)
 
 
 def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard_size: int, resume: bool, force: bool,
-           calibration_data, dtype: str = CONVERT.dtype) -> _Conversion:
+           calibration_data, dtype: str = CONVERT.dtype, gpu_memory: str | int | None = None) -> _Conversion:
     if resume and force:
         raise QuantkitError("--resume and --force exclude each other")
     from quantkit.compute_dtype import check_dtype
@@ -180,9 +174,13 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
         dtype = calibrated.started_in(dst, ckpt)
     compute = calibrated.walk_dtype(rec, dtype, devices[0], ckpt)
     batches = calibration_batches(ckpt, rec, calibration_data) if rec.calibration else None
+    if gpu_memory is not None and not devices[0].startswith("cuda"):
+        raise QuantkitError(f"--gpu-memory is for GPU devices; this conversion runs on {devices[0]}")
+    budget = Budget.of(devices[0], gpu_memory) if rec.calibration else None
+    store = calibrated.memory_plan(ckpt, plan, rec, batches or [], budget, compute)
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
-    return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute)
+    return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute, budget, store)
 
 
 def _manifest(job: _Conversion) -> Manifest:
@@ -207,7 +205,7 @@ def _calibrate(job: _Conversion, manifest: Manifest, on_layer: Callable | None):
     """GPTQ's or SignRound's layer walk; its packed weights wait in DST's work folder for the shards."""
     assert job.batches is not None  # set for every calibrated recipe
     return calibrated.run_calibrated(job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices,
-                                     on_layer, job.compute)
+                                     on_layer, job.compute, job.budget, job.store)
 
 
 def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quantized, seconds: float) -> ConvertResult:

@@ -145,7 +145,7 @@ def _convert(chain: Chain) -> Outcome:
     def run(resume: bool):
         return convert(chain.source, dst, chain.recipe, device=c.device, workers=c.workers,
                        max_shard_size=c.max_shard_size, calibration_data=chain.resolve(c.calibration_data),
-                       dtype=c.dtype, resume=resume, force=not resume)
+                       dtype=c.dtype, gpu_memory=c.gpu_memory, resume=resume, force=not resume)
 
     try:
         done = run(resume=True)

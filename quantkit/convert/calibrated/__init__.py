@@ -19,6 +19,7 @@ from quantkit.formats.recipe import Recipe
 if TYPE_CHECKING:
     import torch
 
+    from quantkit.convert.calibrated.memory import Budget
     from quantkit.convert.calibrated.walk import CalibratedResult, LayerQuantizer
 
 
@@ -39,13 +40,43 @@ QUANTIZERS: dict[str, Callable[[], type[LayerQuantizer]]] = {"gptq": _gptq, "sig
 
 
 def run_calibrated(ckpt: Checkpoint, recipe: Recipe, plan, dst: Path, manifest: Manifest, batches: list,
-                   devices: list[str], on_layer: Callable | None = None, dtype: torch.dtype | None = None
-                   ) -> CalibratedResult:
-    """The recipe's algorithm over the calibrated layer walk (convert/calibrated/walk.py)."""
+                   devices: list[str], on_layer: Callable | None = None, dtype: torch.dtype | None = None,
+                   budget: Budget | None = None, store: str | None = None) -> CalibratedResult:
+    """The recipe's algorithm over the calibrated layer walk (convert/calibrated/walk.py), each layer planned
+    against ``budget`` (convert/calibrated/memory.py), the layer inputs waiting on ``store`` (None: the device)."""
     from quantkit.convert.calibrated.walk import layer_folder, walk_layers
 
-    quantizer = QUANTIZERS[recipe.algorithm]()(ckpt, recipe, batches, devices, layer_folder(dst), dtype)
+    quantizer = QUANTIZERS[recipe.algorithm]()(ckpt, recipe, batches, devices, layer_folder(dst), dtype, budget,
+                                                store)
     return walk_layers(ckpt, recipe, plan, dst, manifest, quantizer, on_layer)
+
+
+def memory_plan(ckpt: Checkpoint, plan, recipe: Recipe, batches: list, budget: Budget | None,
+                dtype: torch.dtype | None) -> str | None:
+    """Where the layer walk keeps the layer inputs between layers (None: on the device; ``cpu``: in host memory, a
+    batch moved to the device as it runs), from the largest layer's least need; a layer that cannot fit the budget
+    either way is refused here, before DST exists."""
+    from quantkit.convert.calibrated.memory import Run, layer_inputs_bytes, where_inputs_wait
+    from quantkit.convert.calibrated.walk import calibration_targets
+    from quantkit.modeling import model_dtype
+
+    if budget is None or not budget.device.startswith("cuda") or not batches:
+        return None
+    width = (dtype or model_dtype(ckpt.config)).itemsize
+    sequences, seq_len = len(batches), batches[0].shape[-1]
+    quantizer = QUANTIZERS[recipe.algorithm]()
+    inputs = layer_inputs_bytes(ckpt.config, sequences, seq_len, width)
+    one = layer_inputs_bytes(ckpt.config, 1, seq_len, width)
+    targets = calibration_targets(ckpt, plan, recipe)
+    if not targets:
+        return None
+    on_device = max((quantizer.least_bytes(ckpt, recipe, i, t, Run(sequences, seq_len, width)), i)
+                    for i, t in targets.items())
+    if on_device[0] + inputs <= budget.limit:
+        return None
+    on_host = max((quantizer.least_bytes(ckpt, recipe, i, t, Run(sequences, seq_len, width, False)), i)
+                  for i, t in targets.items())
+    return where_inputs_wait(ckpt.root, budget, on_host, inputs, one)
 
 
 def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.PathLike | None):

@@ -28,6 +28,15 @@ from quantkit.checkpoint.manifest import CalibratedModuleRecord
 from quantkit.checkpoint.names import layer_expert
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.calibrated.gptq_shared_hessian import quantize_sharing_hessian
+from quantkit.convert.calibrated.memory import (
+    Budget,
+    Run,
+    expert_groups,
+    forward_bytes,
+    layer_does_not_fit,
+    layer_weight_bytes,
+    weight_shape,
+)
 from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
@@ -62,27 +71,46 @@ class GPTQ:
     method = "gptq"
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None):
         """``dtype``: what the layers compute in (default the model's); the weights GPTQ starts from and the scales
-        stay the model's."""
+        stay the model's. ``budget``: the GPU memory a layer may take (None on a CPU); ``store``: where the layer
+        inputs wait between layers (None: on the device)."""
         from quantkit.layerwise import LayerWalk
 
-        self.recipe, self.devices = recipe, devices
-        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager", dtype=dtype)
+        self.recipe, self.devices, self.budget = recipe, devices, budget
+        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager", dtype=dtype, store=store)
 
     @staticmethod
     def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
         llmcompressor_gptq()  # its absence stops the run before DST exists
 
+    @staticmethod
+    def least_bytes(ckpt: Checkpoint, recipe: Recipe, i: int, targets: list[Target], run: Run) -> int:
+        """The layer's weights and one sequence's forward; the dense targets' Hessians, all at once; the routed
+        experts' inputs (where the layer inputs are kept) and one expert's Hessians; one weight's quantize work."""
+        config = ckpt.config
+        need = layer_weight_bytes(ckpt, i, run.width) + forward_bytes(config, run.seq_len, run.width)
+        shapes = {t.rel: weight_shape(ckpt, t.module) for t in targets}
+        need += sum(4 * shapes[t.rel][1] ** 2 for t in targets if not layer_expert(t.rel))
+        need += max(_quantize_bytes(shape) for shape in shapes.values())
+        if any(layer_expert(t.rel) for t in targets):
+            hidden, inter = config.size("hidden_size"), config.size("moe_intermediate_size")
+            need += 4 * inter * inter + 4 * hidden * hidden
+            if run.inputs_on_device:
+                need += run.sequences * run.seq_len * (hidden * run.width + 8 * config.size("num_experts_per_tok"))
+        return need
+
     def quantize(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], phases: Phases
                  ) -> QuantizedLayer:
         layer = self.walk.load(i, state)
-        records = _quantize_layer(self.walk, i, layer, state, targets, self.recipe, self.devices, phases)
+        records, groups = _quantize_layer(self.walk, i, layer, state, targets, self.recipe, self.devices, phases,
+                                          self.budget)
         tensors = {}
         for t in targets:
             tensors[f"{t.module}.weight_packed"] = records[t.module].pop("packed")
             tensors[f"{t.module}.weight_scale"] = records[t.module].pop("scale")
-        return QuantizedLayer(tensors, {m: CalibratedModuleRecord(**r) for m, r in records.items()})
+        return QuantizedLayer(tensors, {t.module: CalibratedModuleRecord(**records[t.module]) for t in targets},
+                              expert_groups=groups)
 
     def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
         """Through the layer as it will be served: a layer quantized just now already holds these values in state."""
@@ -109,7 +137,7 @@ def _substitute(path: Path, targets: list[Target], state: dict[str, torch.Tensor
             name = f"{t.module}.weight"
             parts = (f.get_tensor(f"{t.module}.weight_packed"), f.get_tensor(f"{t.module}.weight_scale"),
                      torch.tensor(state[name].shape))
-            state[name] = decode_weight("int4_packed", parts, state[name].dtype).to(state[name].device)
+            state[name].copy_(decode_weight("int4_packed", parts, state[name].dtype))  # in place: experts are views
 
 
 class _Hessians:
@@ -120,6 +148,7 @@ class _Hessians:
         self.sums: dict = {}
         self.counts: dict = {}
         self.tokens: dict = {}
+        self.fixed: dict = {}
         self._linear = torch.nn.Linear(1, 1, device="meta")  # accumulate_hessian reshapes by module type
         self._accumulate, _ = llmcompressor_gptq()  # once: add() runs per batch and per expert
 
@@ -136,7 +165,18 @@ class _Hessians:
         self.tokens[key] += tokens if tokens is not None else inp.numel() // inp.shape[-1]
 
     def normalized(self, key) -> torch.Tensor:
+        if key in self.fixed:
+            return self.fixed[key]
         return self.sums.pop(key) / self.counts.pop(key)  # llm-compressor's prepare_batch
+
+    def fix(self, key) -> None:
+        """Normalize ``key``'s sum now and keep it for users in later calls (a Hessian several groups share)."""
+        self.fixed[key] = self.sums.pop(key) / self.counts.pop(key)
+
+    def drop_unused(self) -> None:
+        """Free the sums no job asked for (an expert quantized round-to-nearest)."""
+        self.sums.clear()
+        self.counts.clear()
 
 
 def _on_tensor_cores(inp: torch.Tensor, module: torch.nn.Module, device: str) -> bool:
@@ -157,9 +197,13 @@ def _accumulate_on_tensor_cores(inp: torch.Tensor, hessian: torch.Tensor, num_sa
     return hessian, num_samples
 
 
-def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> dict[str, dict]:
+def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases, budget: Budget | None
+                    ) -> tuple[dict[str, dict], int]:
     """Collect the layer's Hessians on the calibration inputs, then GPTQ every target; returns per module
-    the packed weight, scale and record, and leaves the quantized weights in ``state``."""
+    the packed weight, scale and record, and leaves the quantized weights in ``state``. The forward pass sums the
+    dense targets' Hessians and keeps the routed experts' inputs; the experts are then worked in groups that fit
+    ``budget``, each group's Hessians summed from those inputs, quantized and freed before the next. Also returns
+    the number of expert groups."""
     cal = recipe.gptq.calibration
     hessians = _Hessians(walk.device)
     handles = []
@@ -171,43 +215,100 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases) -> 
             raise QuantkitError(f"GPTQ target is a {type(module).__name__} in the transformers model, not a Linear",
                                 walk.ckpt.root, t.module)
         handles.append(module.register_forward_hook(lambda mod, args, _out, key=t.rel: hessians.add(key, args[0], mod)))
-    routed: dict[int, int] = {}
+    inputs = ExpertInputs(walk.store)
     if experts:
-        experts_module = layer.get_submodule("mlp.experts")
-        wanted = sorted({_expert(t.rel)[0] for t in experts})
-        handles.append(experts_module.register_forward_pre_hook(
-            lambda mod, args: _expert_hessians(mod, args, wanted, cal, hessians, routed)))
+        handles.append(layer.get_submodule("mlp.experts").register_forward_pre_hook(inputs.keep))
     try:
         with phases("hessians"):
             walk.run(i, layer, advance=False)
     finally:
         for h in handles:
             h.remove()
-
-    jobs: list[tuple[Target, object, int, str | None]] = []  # (target, hessian key, tokens, reason)
+    jobs: list[tuple[Target, object, int, str | None]] = []
     for t in dense:
         tokens = hessians.tokens.get(t.rel, 0)
         jobs.append((t, t.rel, tokens, None) if tokens else (t, None, 0, "not reached by the calibration forward"))
-    for t in experts:
-        e, proj = _expert(t.rel)
-        tokens = routed.get(e, 0)
-        if cal.experts == "all":
-            key = "all_tokens" if proj != "down" else (e, "down")
-            jobs.append((t, key, tokens, "Hessian from every calibration token (experts: all)"))
-        elif tokens < cal.min_expert_tokens:
-            jobs.append((t, None, tokens, f"{tokens} routed token(s) < min_expert_tokens {cal.min_expert_tokens}"))
-        else:
-            jobs.append((t, (e, "gate_up") if proj != "down" else (e, "down"), tokens, None))
     with phases("quantize"):
-        return _quantize_jobs(jobs, hessians, state, recipe, devices, walk.stored)
+        out = _quantize_jobs(jobs, hessians, state, recipe, devices, walk.stored, budget)
+    if not experts:
+        return out, 0
+    mod = layer.get_submodule("mlp.experts")
+    by_expert: dict[int, list[Target]] = {}
+    for t in experts:
+        by_expert.setdefault(_expert(t.rel)[0], []).append(t)
+    wanted = sorted(by_expert)
+    routed: dict[int, int] = {}
+    groups = _expert_groups(walk, i, mod, wanted, cal, budget,
+                            max(_quantize_bytes(state[f"{t.module}.weight"].shape) for t in experts))
+    for group in groups:
+        first = group[0] == wanted[0]
+        with phases("hessians"), torch.no_grad():
+            for x, top_k in inputs.batches(walk.device):
+                _expert_hessians(mod, x, top_k, group, cal, hessians, routed, first)
+            if cal.experts == "all" and first:
+                hessians.fix("all_tokens")  # every group's gate and up share it: normalized once, kept to the end
+        jobs = [_expert_job(t, routed, cal) for e in group for t in by_expert[e]]
+        with phases("quantize"):
+            out.update(_quantize_jobs(jobs, hessians, state, recipe, devices, walk.stored, budget))
+        hessians.drop_unused()  # an expert quantized round-to-nearest leaves its sums behind
+    return out, len(groups)
 
 
-def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, routed: dict[int, int]) -> None:
-    """Forward pre-hook on a fused experts module (hidden_states [T, H], top_k_index [T, k], weights)."""
-    x, top_k = args[0], args[1]
+def _expert_job(t: Target, routed: dict[int, int], cal) -> tuple[Target, object, int, str | None]:
+    """(target, Hessian key, tokens, reason) of a routed expert's weight."""
+    e, proj = _expert(t.rel)
+    tokens = routed.get(e, 0)
+    if cal.experts == "all":
+        return (t, "all_tokens" if proj != "down" else (e, "down"), tokens,
+                "Hessian from every calibration token (experts: all)")
+    if tokens < cal.min_expert_tokens:
+        return (t, None, tokens, f"{tokens} routed token(s) < min_expert_tokens {cal.min_expert_tokens}")
+    return (t, (e, "gate_up") if proj != "down" else (e, "down"), tokens, None)
+
+
+def _expert_groups(walk, i: int, mod, wanted: list[int], cal, budget: Budget | None, quantize: int
+                   ) -> list[list[int]]:
+    """The layer's routed experts in groups whose Hessians fit what the budget leaves beside ``quantize`` bytes of
+    quantize work (one group without a budget)."""
+    if budget is None:
+        return [wanted]
+    hidden, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
+    per_expert = 4 * inter * inter + (0 if cal.experts == "all" else 4 * hidden * hidden)
+    fixed = (4 * hidden * hidden if cal.experts == "all" else 0) + quantize
+    groups = expert_groups(wanted, per_expert, budget.room() - fixed)
+    if not groups:
+        raise layer_does_not_fit(walk.ckpt.root, i, budget.used() + fixed + per_expert, budget,
+                                 "its weights, its inputs and one expert's Hessians")
+    return groups
+
+
+class ExpertInputs:
+    """A MoE layer's routed-expert inputs as its forward computes them (per batch: the hidden states and the router's
+    top-k choice), kept on ``store`` so that each group of experts sums its Hessians from them later."""
+
+    def __init__(self, store: str):
+        self.store = store
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(self, _mod, args) -> None:
+        """Forward pre-hook on a fused experts module (hidden_states [T, H], top_k_index [T, k], weights)."""
+        x, top_k = args[0], args[1]
+        if x.device != torch.device(self.store):
+            x, top_k = x.to(self.store).pin_memory(), top_k.to(self.store).pin_memory()
+        self.kept.append((x, top_k))
+
+    def batches(self, device: str):
+        for x, top_k in self.kept:
+            yield x.to(device, non_blocking=True), top_k.to(device, non_blocking=True)
+
+
+def _expert_hessians(mod, x: torch.Tensor, top_k: torch.Tensor, wanted: list[int], cal, hessians: _Hessians,
+                     routed: dict[int, int], first: bool) -> None:
+    """One batch's Hessians of the ``wanted`` experts of a fused experts module (hidden_states [T, H], top_k_index
+    [T, k]); ``first``: the layer's first group, which sums the Hessian every expert shares under ``experts: all``."""
     everyone = cal.experts == "all"
     counts = torch.bincount(top_k.flatten(), minlength=mod.gate_up_proj.shape[0]).tolist()  # one device sync
-    if everyone:
+    if everyone and first:
         hessians.add("all_tokens", x)
     for e in wanted:
         routed[e] = routed.get(e, 0) + counts[e]
@@ -223,7 +324,8 @@ def _expert_hessians(mod, args, wanted: list[int], cal, hessians: _Hessians, rou
         hessians.add((e, "down"), mod.act_fn(gate) * up, tokens=xe.shape[0])
 
 
-def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: torch.dtype) -> dict[str, dict]:
+def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: torch.dtype, budget: Budget | None
+                   ) -> dict[str, dict]:
     """GPTQ (or RTN, where a job has no Hessian) on the weights as decoded in the model's dtype ``stored``, whatever
     the walk computes in: the same scales and rounding as a walk in the model's dtype; the dequantized weights go
     back into ``state`` in its dtype."""
@@ -241,7 +343,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: to
         if key is None:
             q, scale = int4.quantize_int4(w.to(stored), t.group_size)
             out[t.module] = _record(int4.pack_int4(q).cpu(), scale.cpu(), "rtn", tokens, None, reason)
-            state[f"{t.module}.weight"] = int4.dequantize_int4(q, scale, t.group_size).to(w.dtype)
+            w.copy_(int4.dequantize_int4(q, scale, t.group_size))  # in place: a routed expert's is a view
             continue
         batches.setdefault((tuple(w.shape), t.group_size, t.args.model_dump_json()), []).append(job)
 
@@ -265,7 +367,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: to
 
     work = []
     for group in batches.values():
-        cap = _batch_cap(group[0], state, devices)
+        cap = _batch_cap(group[0], state, devices, budget)
         work += [group[start:start + cap] for start in range(0, len(group), cap)]
 
     def run(index: int):
@@ -296,7 +398,7 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: to
                 reason = "Hessian not positive definite after dampening (llm-compressor's RTN fallback)"
             out[t.module] = _record(packed, scale, method, tokens, loss, reason)
             name = f"{t.module}.weight"
-            state[name] = weight.to(state[name].device, state[name].dtype)
+            state[name].copy_(weight)
     return out
 
 
@@ -304,15 +406,19 @@ def _record(packed, scale, method, tokens, loss, reason) -> dict:
     return {"packed": packed, "scale": scale, "method": method, "tokens": int(tokens), "loss": loss, "reason": reason}
 
 
-def _batch_cap(job, state, devices) -> int:
+def _batch_cap(job, state, devices: list[str], budget: Budget | None) -> int:
     """How many same-shape weights one quantize_weight call takes: one on CPU (as llm-compressor does,
-    and the order of the arithmetic then matches it), as many as fit in a quarter of free memory on a GPU."""
-    if not devices[0].startswith("cuda"):
+    and the order of the arithmetic then matches it), as many as fit in a quarter of the budget's room on a GPU."""
+    if budget is None or not devices[0].startswith("cuda"):
         return 1
-    rows, cols = state[f"{job[0].module}.weight"].shape
-    per = 4 * (cols * cols + 3 * rows * cols + 4 * rows * 128)
-    free, _ = torch.cuda.mem_get_info(torch.device(devices[0]))
-    return max(1, min(64, int(free * 0.25) // per))
+    return max(1, min(64, budget.room() // 4 // _quantize_bytes(state[f"{job[0].module}.weight"].shape)))
+
+
+def _quantize_bytes(shape) -> int:
+    """What quantize_weight holds for one weight of ``shape``: its fp32 Hessian, the weight and its work copies, and
+    the group scales."""
+    rows, cols = shape
+    return 4 * (cols * cols + 3 * rows * cols + 4 * rows * 128)
 
 
 def _gptq(ws: torch.Tensor, hs: torch.Tensor, target: Target, settings):

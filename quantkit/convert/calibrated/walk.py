@@ -29,7 +29,9 @@ from quantkit.checkpoint.manifest import CalibratedModuleRecord, Manifest, Shard
 from quantkit.checkpoint.names import LAYER
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
 from quantkit.checkpoint.writer import work_folder, write_safetensors
+from quantkit.convert.calibrated.memory import HELP, Budget, Run
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
+from quantkit.errors import QuantkitError
 from quantkit.formats.quant_config import QuantizationArgs
 from quantkit.formats.recipe import Recipe
 
@@ -62,6 +64,7 @@ class LayerReport:
     phases: dict[str, float] = field(default_factory=dict)  # read, hessians/capture, quantize/tune, write, forward
     peak_device_bytes: int = 0  # CUDA: the most memory allocated on the walk's device during the layer
     method: str = "gptq"  # the algorithm that quantized the layer
+    expert_groups: int = 0  # the groups a MoE layer's experts were worked in to fit the GPU memory budget
 
 
 @dataclass
@@ -72,6 +75,7 @@ class QuantizedLayer:
     tensors: dict[str, torch.Tensor]
     records: dict[str, CalibratedModuleRecord]
     advanced: bool = False
+    expert_groups: int = 0  # the groups its routed experts were worked in (0: none)
 
 
 class LayerQuantizer(Protocol):
@@ -79,9 +83,15 @@ class LayerQuantizer(Protocol):
 
     method: str
     walk: LayerWalk
+    budget: Budget | None  # the device memory one layer may take (convert/calibrated/memory.py); None: not planned
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
-                 dtype: torch.dtype | None = None) -> None: ...
+                 dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None) -> None:
+        """``store``: where the walk keeps the layer inputs between layers (None: on the device)."""
+
+    @staticmethod
+    def least_bytes(ckpt: Checkpoint, recipe: Recipe, i: int, targets: list[Target], run: Run) -> int:
+        """The least device memory quantizing layer ``i`` takes, besides the layer inputs the walk stores there."""
 
     @staticmethod
     def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
@@ -181,12 +191,13 @@ def walk_layers(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Pat
             with phases("read"):
                 state = walk.read_layer(i, reader)
             reused = bool(layer_targets) and finished(path, manifest, i)
-            advanced = False
+            advanced, groups = False, 0
             if layer_targets and not reused:
-                layer = quantizer.quantize(i, state, layer_targets, phases)
+                with out_of_memory_is_one_line(ckpt, i, quantizer.budget):
+                    layer = quantizer.quantize(i, state, layer_targets, phases)
                 with phases("write"):  # the wait for the previous layer's file, if it is still being written
                     files.write(i, path, layer.tensors, layer.records)
-                advanced = layer.advanced
+                advanced, groups = layer.advanced, layer.expert_groups
             if i < last and not advanced:
                 with phases("forward"):
                     quantizer.advance(i, state, layer_targets, path if reused else None)
@@ -197,11 +208,22 @@ def walk_layers(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Pat
                 recs = [manifest.calibrated_modules[t.module] for t in layer_targets]
                 report = LayerReport(i, time.perf_counter() - started, len(recs), quantizer.layer_loss(recs),
                                      sum(r.method == "rtn" for r in recs), reused, phases.seconds, phases.peak(),
-                                     quantizer.method)
+                                     quantizer.method, groups)
                 result.layers.append(report)
                 if on_layer:
                     on_layer(report, len(targets))
     return result
+
+
+@contextmanager
+def out_of_memory_is_one_line(ckpt: Checkpoint, i: int, budget: Budget | None):
+    """A CUDA out-of-memory error inside a layer, which the plan should have prevented, as one line naming it."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        device = budget.device if budget else "the GPU"
+        raise QuantkitError(f"decoder layer {i} ran out of GPU memory on {device} "
+                            f"({str(exc).splitlines()[0][:160]}): {HELP}", ckpt.root, f"model.layers.{i}") from None
 
 
 def finished(path: Path, manifest: Manifest, i: int) -> bool:
