@@ -153,17 +153,17 @@ def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monk
     import quantkit.convert.calibrated.signround as signround
 
     tuned = {}
-    real = signround.llmcompressor_autoround
+    real = signround.autoround_libraries
 
     def recording():
-        modifier, state, disable, quantize = real()
+        wrapper_block, quantize = real()
 
         def spy(x, scale, zero_point, args, dtype):  # x: AutoRound's tuned (quantized-dequantized) weight
             tuned[len(tuned)] = x.clone()
             return quantize(x=x, scale=scale, zero_point=zero_point, args=args, dtype=dtype)
-        return modifier, state, disable, spy
+        return wrapper_block, spy
 
-    monkeypatch.setattr(signround, "llmcompressor_autoround", recording)
+    monkeypatch.setattr(signround, "autoround_libraries", recording)
     recipe = signround_recipe(tmp_path, base="dense-mlp-w4a16-signround-asym-g32")
     result = convert(llama, tmp_path / "ours", recipe, device="cpu")
     assert result.calibrated["weights_by_method"] == {"signround": 9}
@@ -289,6 +289,35 @@ def test_tuned_experts_move_the_models_output_less_than_round_to_nearest(glm5, t
     assert kl["tuned"] < kl["rtn"], kl
 
 
+def test_experts_tuned_in_groups_that_fit_a_budget(glm5, tmp_path, monkeypatch):
+    """A budget too small for every expert's tuning state at once tunes each MoE layer's experts in groups, each
+    against the layer's full-precision output with the other experts held: the model still moves less than with
+    round-to-nearest, about as little as with all experts in one group, and the groups are reported."""
+    from quantkit.convert.calibrated import memory
+    from quantkit.modeling import load_model
+
+    recipe = signround_recipe(tmp_path, samples=8, base="glm5-int4-experts-signround-g32", iters=40)
+    whole = convert(glm5, tmp_path / "whole", recipe, device="cpu")
+    monkeypatch.setattr(memory.Budget, "of", classmethod(lambda cls, device, spec=None: cls(device, 8 * 2**20)))
+    layers = []
+    grouped = convert(glm5, tmp_path / "grouped", recipe, device="cpu", on_layer=lambda r, n: layers.append(r))
+    assert [r.expert_groups for r in layers] == [4, 4]  # 8 experts, 2 a group
+    assert grouped.calibrated["weights_by_method"] == whole.calibrated["weights_by_method"] == {"signround": 48,
+                                                                                                "rtn": 24}
+    convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
+    held_out = torch.randint(2, 512, (4, 64), generator=torch.Generator().manual_seed(7))
+
+    def log_probs(model: Path) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(load_model(model, dtype=torch.float32)(input_ids=held_out).logits, -1)
+
+    source = log_probs(glm5)
+    kl = {name: float((source.exp() * (source - log_probs(tmp_path / name))).sum(-1).mean())
+          for name in ("whole", "grouped", "rtn")}
+    assert kl["grouped"] < kl["rtn"], kl
+    assert kl["grouped"] < 1.1 * kl["whole"], kl
+
+
 def test_a_moe_run_stopped_after_a_layer_resumes_to_the_same_bytes(glm5, tmp_path):
     """GLM-5's layers hand the next one their DSA top-k indices too: the saved quantized outputs hold them. With the
     shipped recipes' ``experts: routed`` (each expert computes only the tokens the router sends it)."""
@@ -342,20 +371,23 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
 def test_autoround_leaves_alone_what_the_recipe_does_not_quantize(llama, tmp_path, monkeypatch):
     """llm-compressor 0.14 tells AutoRound only of targeted Linears without a scheme, so AutoRound rounded an MLP
     recipe's attention to INT4 while it tuned the MLP against it (SmolLM2, 2 layers, 200 steps: held-out KL 0.0088,
-    0.0048 once told; docs/int4-methods.md). quantkit tells it every Linear the recipe leaves unquantized."""
-    from llmcompressor.modifiers.autoround import base
+    0.0048 once told; docs/int4-methods.md). quantkit marks only the recipe's targets: auto-round's wrapper tunes
+    those and leaves every other Linear of the block as it is."""
+    import auto_round.wrapper
 
-    told = []
-    real = base.AutoRound
+    wrapped = []
+    real = auto_round.wrapper.wrapper_block
 
-    def recording(*args, **kwargs):
-        told.append(set(filter(None, kwargs.get("ignore_layers", "").split(","))))
-        return real(*args, **kwargs)
+    def recording(block, *args, **kwargs):
+        tuned, untouched = real(block, *args, **kwargs)
+        wrapped.append((set(tuned), set(untouched)))
+        return tuned, untouched
 
-    monkeypatch.setattr(base, "AutoRound", recording)
+    monkeypatch.setattr(auto_round.wrapper, "wrapper_block", recording)
     convert(llama, tmp_path / "ours", signround_recipe(tmp_path, iters=1), device="cpu")
     attention = {f"self_attn.{p}_proj" for p in "qkvo"}
-    assert told == [attention] * 3
+    mlp = {f"mlp.{p}_proj" for p in ("gate", "up", "down")}
+    assert wrapped == [(mlp, attention)] * 3
 
 
 def users_oneshot(model: Path, recipe: Path, rows: list[list[int]], out: Path, device: str) -> None:

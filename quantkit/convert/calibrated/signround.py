@@ -1,39 +1,49 @@
 """SignRound (AutoRound) for a recipe's INT4 weights, streamed one decoder layer at a time from the source.
 
-Each decoder layer is run by llm-compressor's own AutoRoundModifier (which wraps auto-round), exactly as its
-sequential pipeline runs it on a whole model in memory: the layer's calibration inputs are captured by the
-modifier's hook while the unquantized layer computes the next layer's inputs (llm-compressor switches error
-propagation off for AutoRound: each layer sees the full-precision model's hidden states), then the modifier tunes
-the layer's rounding and clipping against its full-precision outputs, feeding it the previous layer's quantized
-outputs (``q_input``, which the modifier hands from layer to layer). The INT4 values are then taken from the tuned
-weights and scales with compressed-tensors' own ``quantize``, as llm-compressor does when it saves: the result
-equals llm-compressor's ``oneshot`` with the same recipe and tokens, bit for bit (tests/test_signround.py), except
-where oneshot loses AutoRound's work: it rounds an MLP recipe's attention while tuning (``leave_unquantized_alone``)
-and drops asymmetric groups' zero points (``_zero_point``).
+Each decoder layer is tuned as auto-round tunes a block under llm-compressor's ``AutoRoundModifier`` (its sequential
+pipeline): the layer's full-precision outputs on the full-precision model's hidden states are both the tuning's
+reference and the next layer's inputs (llm-compressor switches error propagation off for AutoRound), and the tuning
+feeds the layer the previous layer's quantized outputs (``q_input``). auto-round's own steps run in quantkit's loop
+(convert/calibrated/autoround.py); the INT4 values are then taken from the tuned weights and scales with
+compressed-tensors' own ``quantize``, as llm-compressor does when it saves: the result equals llm-compressor's
+``oneshot`` with the same recipe and tokens, bit for bit (tests/test_signround.py), except where oneshot loses
+AutoRound's work: it rounds an MLP recipe's attention while tuning and drops asymmetric groups' zero points.
+
+A MoE layer whose targets are its routed experts is tuned in groups of experts that fit the GPU memory budget
+(convert/calibrated/memory.py): with the attention and the router left alone, the layer's output is its residual, its
+shared experts and each routed expert's weighted contribution, so a group's experts are tuned against the layer's
+full-precision output with every other expert held at its current weights (the groups before it already quantized,
+the ones after it not yet), on the tokens the router sends the group; tokens it does not reach add a constant to the
+loss. With one group this is auto-round's own block loss on the layer.
 
 The walk (convert/calibrated/walk.py) keeps one decoder layer in memory and each finished layer's file; beside it
-SignRound keeps the quantized outputs the next layer's tuning starts from (``q-input-NNNNN.safetensors``, hidden
-states of every calibration sequence, fp32, until the next layer is recorded), so a killed run resumes at the first
-unfinished layer with the same bits. A MoE layer's experts, which transformers fuses into one module, are split
-into Linears first (``experts_as_linears``), so AutoRound tunes them inside their layer as it tunes a MoE block.
+SignRound keeps the quantized outputs the next layer's tuning starts from (``q-input-NNNNN.safetensors``, until the
+next layer is recorded), so a killed run resumes at the first unfinished layer with the same bits.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
-import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from quantkit.checkpoint.manifest import CalibratedModuleRecord
+from quantkit.checkpoint.names import layer_expert
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.writer import write_safetensors
+from quantkit.convert.calibrated.autoround import Tuning, mark_for_tuning, tune
+from quantkit.convert.calibrated.memory import (
+    Budget,
+    Run,
+    expert_groups,
+    forward_bytes,
+    layer_does_not_fit,
+    layer_weight_bytes,
+)
 from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
 from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
@@ -41,73 +51,92 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import int4
 from quantkit.formats.recipe import Recipe
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.\d+(?:\.|$)")
-_LOSS = re.compile(r"loss iter 0: ([0-9.eE+-]+) -> iter \d+: ([0-9.eE+-]+)")
+# what one tuned weight holds on the device per value while a group is tuned: auto-round's FP32 rounding offset,
+# its gradient and its best copy, and the autograd intermediates of the fake quantization (measured on an H100:
+# docs/int4-methods.md)
+TUNING_BYTES_PER_WEIGHT = 34
+
+QInputs = dict[str, list[torch.Tensor]]  # per calibration sequence: the hidden states and what else a layer hands on
 
 
-def llmcompressor_autoround():
-    """llm-compressor's AutoRoundModifier and the pieces its sequential pipeline drives it with, imported quietly
-    (quantkit.convert.llmcompressor_import): quantkit reports per layer itself."""
+def autoround_libraries():
+    """auto-round's SignRound pieces and compressed-tensors' ``quantize``, imported quietly: their absence stops a
+    SignRound recipe before DST exists."""
     with quiet_llmcompressor("SignRound recipes need llm-compressor and auto-round"):
+        from auto_round.wrapper import wrapper_block
         from compressed_tensors.quantization.lifecycle.forward import quantize
-        from llmcompressor.core import State
-        from llmcompressor.modifiers.autoround import AutoRoundModifier
-        from llmcompressor.utils.helpers import DisableQuantization
-    return AutoRoundModifier, State, DisableQuantization, quantize
+    return wrapper_block, quantize
 
 
 class SignRound:
-    """SignRound's part of the calibrated walk: llm-compressor's AutoRoundModifier tunes the layer while its inputs
-    are captured, and the next layer's inputs are the full-precision model's (AutoRound's ``q_input`` rides along)."""
+    """SignRound's part of the calibrated walk: each layer tuned against its full-precision outputs, which go on to
+    the next layer; its quantized outputs ride along as the next layer's tuning inputs."""
 
     method = "signround"
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None):
         from quantkit.layerwise import LayerWalk
-        from quantkit.modeling import model_config
 
         assert dtype is None  # SignRound tunes in the model's dtype (calibrated.walk_dtype)
-        self.recipe, self.work = recipe, work
-        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager")  # llm-compressor calibrates in eager
+        self.recipe, self.work, self.budget = recipe, work, budget
+        # llm-compressor calibrates in eager attention
+        self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager", store=store)
+        assert recipe.signround is not None
+        self.tuning = Tuning.of(recipe.signround, devices[0], self.walk.stored)
         self.tokens = sum(int(b.numel()) for b in batches)
-        self.config = model_config(ckpt.config)
-        self.q_input = None
-        self.losses: list[float] = []
+        self.q_input: QInputs | None = None
 
     @staticmethod
     def check(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) -> None:
-        llmcompressor_autoround()  # its absence stops the run before DST exists
+        autoround_libraries()
+
+    @staticmethod
+    def least_bytes(ckpt: Checkpoint, recipe: Recipe, i: int, targets: list[Target], run: Run) -> int:
+        """A MoE layer's experts: the layer's weights, one sequence's forward, the tokens one expert reaches with
+        their reference and base outputs, and one expert's tuning state. A whole layer: its weights, the reference
+        and quantized inputs and outputs of every sequence, a batch's forward and backward, and the tuning state of
+        every target."""
+        config, width, seq = ckpt.config, run.width, run.seq_len
+        hidden = config.size("hidden_size")
+        need = layer_weight_bytes(ckpt, i, width)
+        tokens = run.sequences * seq
+        if all(layer_expert(t.rel) for t in targets):
+            per_expert = 3 * hidden * config.size("moe_intermediate_size")
+            reached = tokens * config.size("num_experts_per_tok") // max(1, config.num_experts or 1) + 1
+            return (need + forward_bytes(config, seq, width) + reached * hidden * (2 * width + 4)
+                    + TUNING_BYTES_PER_WEIGHT * per_expert)
+        assert recipe.signround is not None
+        need += 3 * forward_bytes(config, seq, width) * recipe.signround.batch_size + 3 * tokens * hidden * width
+        return need + TUNING_BYTES_PER_WEIGHT * sum(_numel(ckpt, t.module) for t in targets)
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """auto-round's log (its own handler on stderr) is quantkit's to report: its lines are held back and each
-        layer's block loss (the best of the tuning) is taken from them. ``experts: all`` runs every token through
-        every expert, as llm-compressor's oneshot does by default (its moe_calibration_context)."""
-        from llmcompressor.modeling.moe.context import moe_calibration_context
-
-        cal = self.recipe.calibration
-        every_expert = cal is not None and cal.experts == "all"
-        with _autoround_log(self.losses), _recipe_decides_what_is_quantized(), \
-                moe_calibration_context() if every_expert else contextlib.nullcontext():
+        """auto-round's log is quantkit's to report: its info lines are held back while quantkit tunes."""
+        logger = logging.getLogger("autoround")
+        level = logger.level
+        logger.setLevel(logging.WARNING)
+        try:
             yield
+        finally:
+            logger.setLevel(level)
 
     def quantize(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], phases: Phases
                  ) -> QuantizedLayer:
         self.q_input = _restore_q_input(self.work, i, self.q_input)
-        with experts_as_linears(self.walk.load(i, state), self.config) as layer:
-            tensors, self.q_input = _tune_layer(self.walk, i, layer, targets, self.recipe, self.config, self.q_input,
-                                                phases)
-        loss = self.losses.pop() if self.losses else None
+        layer = self.walk.load(i, state)
+        if _routed_experts_only(layer, targets):
+            tuned = _ExpertGroups(self, i, layer, targets, phases).run()
+        else:
+            tuned = _tune_block(self, i, layer, targets, phases)
+        tensors, self.q_input, loss, groups = tuned
         _save_q_input(self.work, i, self.q_input)  # before the layer is recorded: a resume at i + 1 starts from it
         records = {t.module: CalibratedModuleRecord(method="signround", tokens=self.tokens, loss=loss) for t in targets}
-        return QuantizedLayer(tensors, records, advanced=True)  # tuning ran the layer's inputs on
+        return QuantizedLayer(tensors, records, advanced=True, expert_groups=groups)  # tuning ran the inputs on
 
     def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
-        """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound; a MoE layer's
-        experts computed as Linears here too, as while tuning, so that a resumed run gets the same inputs."""
-        with experts_as_linears(self.walk.load(i, state), self.config) as layer:
-            self.walk.run(i, layer)
+        """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound."""
+        self.walk.run(i, self.walk.load(i, state))
 
     def recorded(self, i: int) -> None:
         _q_input_path(self.work, i - 1).unlink(missing_ok=True)
@@ -116,35 +145,161 @@ class SignRound:
         return records[0].loss or 0.0  # every weight of the layer carries the layer's loss
 
 
-@contextmanager
-def _recipe_decides_what_is_quantized() -> Iterator[None]:
-    """auto-round adds an ignore list of its own per model family to what it is told (``special_model_handler``: for
-    ``glm_moe_dsa`` the MLPs of layers ``0 .. first_k_dense_replace - 1``, a vLLM workaround). llm-compressor hands
-    AutoRound each decoder layer alone, named ``model.layers.0``, so a rule that names a layer by its index hits every
-    layer: GLM-5's experts were left unquantized in all of them (auto-round 0.15.1 under llm-compressor 0.14, on the
-    synthetic GLM-5). Rules that name a layer by index are dropped while quantkit tunes; what the recipe leaves alone
-    AutoRound is told by name (``leave_unquantized_alone``)."""
-    from auto_round.compressors import base
+def _numel(ckpt: Checkpoint, module: str) -> int:
+    from quantkit.convert.calibrated.memory import weight_shape
 
-    real = base.get_predefined_ignore_layers
+    rows, cols = weight_shape(ckpt, module)
+    return rows * cols
 
-    def without_layer_indices(model) -> list[str]:
-        return [name for name in real(model) if not _LAYER_INDEX.search(name)]
 
-    base.get_predefined_ignore_layers = without_layer_indices
-    try:
-        yield
-    finally:
-        base.get_predefined_ignore_layers = real
+def _routed_experts_only(layer: torch.nn.Module, targets: list[Target]) -> bool:
+    """A MoE layer (transformers' fused experts) whose targets are all its routed experts' weights."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return hasattr(experts, "gate_up_proj") and all(layer_expert(t.rel) for t in targets)
+
+
+# --- a whole decoder layer tuned at once (dense layers; MoE layers whose targets are not only experts) -------------
+
+def _tune_block(sr: SignRound, i: int, layer: torch.nn.Module, targets: list[Target], phases: Phases):
+    """auto-round's block tuning on the whole layer: its reference outputs and its quantized outputs computed in
+    batches of ``batch_size`` sequences, as auto-round's block forward computes them."""
+    walk, tuning, device = sr.walk, sr.tuning, sr.walk.device
+    fp_inputs, kwargs_of = _sequences(walk)  # the layer's inputs, before the walk replaces them by its outputs
+    with phases("capture"):
+        walk.run(i, layer)  # in the model's dtype, one sequence at a time: the next layer's inputs
+    with experts_as_linears(layer, walk.ckpt.config) as block:
+        marked = _mark(block, targets)
+        block.to(tuning.dtype)  # auto-round tunes a block in its amp dtype: FP32 on a CPU without BF16
+        with phases("reference"):
+            reference = _forward_batches(block, fp_inputs, kwargs_of, tuning, device)["hidden_states"]
+        active = _cast(sr.q_input, tuning.dtype) if sr.q_input is not None else fp_inputs
+        del fp_inputs
+        count = len(reference)
+
+        def predict(indices: list[int]) -> torch.Tensor:
+            return _forward(block, _select(active, kwargs_of, indices, device), tuning, device)[0]
+
+        def expected(indices: list[int]) -> torch.Tensor:
+            return torch.cat([reference[k] for k in indices]).to(device)
+
+        with phases("tune"):
+            _, loss = tune(block, predict, expected, count, tuning, device)
+        with phases("forward"):
+            q_next = _forward_batches(block, active, kwargs_of, tuning, device)
+        tensors = _packed(marked, walk.stored)
+    return tensors, q_next, loss, 0
+
+
+def _sequences(walk) -> tuple[QInputs, list[dict]]:
+    """The walk's stored layer inputs now: per sequence, the hidden states (and what the layer before handed on) and
+    the keyword inputs (copied: the walk replaces its own as it advances)."""
+    out: QInputs = {"hidden_states": [args[0] for args, _ in walk.inputs]}
+    if walk.inputs and isinstance(walk.inputs[0][1].get("prev_topk_indices"), torch.Tensor):
+        out["prev_topk_indices"] = [kwargs["prev_topk_indices"] for _, kwargs in walk.inputs]
+    return out, [dict(kwargs) for _, kwargs in walk.inputs]
+
+
+def _cast(q: QInputs, dtype: torch.dtype) -> QInputs:
+    return {k: [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in v]
+            for k, v in q.items()}
+
+
+def _select(inputs: QInputs, kwargs_of: list[dict], indices: list[int], device: str) -> tuple[torch.Tensor, dict]:
+    """A batch of sequences: their hidden states concatenated, the keyword inputs they share (the causal mask, the
+    rotary tables: one tensor for all) as they are and those each has (GLM-5's top-k indices) concatenated."""
+    hidden = torch.cat([inputs["hidden_states"][k].to(device) for k in indices])
+    base = dict(kwargs_of[indices[0]])
+    for key in list(base):
+        if isinstance(base[key], torch.Tensor) and any(kwargs_of[k][key] is not base[key] for k in indices):
+            base[key] = torch.cat([kwargs_of[k][key].to(device) for k in indices])
+    if "prev_topk_indices" in inputs:
+        base["prev_topk_indices"] = torch.cat([inputs["prev_topk_indices"][k].to(device) for k in indices])
+    return hidden, base
+
+
+def _forward(block, batch: tuple[torch.Tensor, dict], tuning: Tuning, device: str) -> tuple:
+    hidden, kwargs = batch
+    kwargs = {k: _on(v, device, tuning.dtype) for k, v in kwargs.items()}
+    with tuning.autocast(device):
+        output = block(hidden.to(device, tuning.dtype), **kwargs)
+    return output if isinstance(output, tuple) else (output,)
+
+
+def _on(value, device: str, dtype: torch.dtype):
+    """A keyword input on the device; a half-precision one in the tuning dtype, as auto-round casts them."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        return value.to(dtype) if value.dtype in (torch.float16, torch.bfloat16) else value
+    if isinstance(value, tuple):
+        return tuple(_on(v, device, dtype) for v in value)
+    return value
+
+
+def _forward_batches(block, inputs: QInputs, kwargs_of: list[dict], tuning: Tuning, device: str) -> QInputs:
+    """``block`` on every sequence, ``batch_size`` at a time, split back into sequences (auto-round's block forward);
+    a layer that hands the next one its top-k indices (GLM-5) hands them on here too."""
+    count = len(inputs["hidden_states"])
+    out: QInputs = {"hidden_states": []}
+    with torch.no_grad():
+        for start in range(0, count, tuning.batch_size):
+            indices = list(range(start, min(start + tuning.batch_size, count)))
+            result = _forward(block, _select(inputs, kwargs_of, indices, device), tuning, device)
+            out["hidden_states"] += list(torch.split(result[0], 1))
+            if "prev_topk_indices" in inputs and len(result) > 1 and result[1] is not None:
+                out.setdefault("prev_topk_indices", []).extend(torch.split(result[1], 1))
+    return out
+
+
+def _mark(block: torch.nn.Module, targets: list[Target]) -> list[tuple[Target, Any]]:
+    """Mark each target Linear for auto-round's tuning; the Linears, by target."""
+    marked = []
+    for t in targets:
+        module = block.get_submodule(t.rel)
+        if not isinstance(module, torch.nn.Linear):
+            raise QuantkitError(f"SignRound target is a {type(module).__name__} in the transformers model, not a "
+                                "Linear", None, t.module)
+        mark_for_tuning(module, t.args)
+        marked.append((t, module))
+    return marked
+
+
+def _packed(marked: list[tuple[Target, Any]], stored: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each tuned Linear's INT4 values from its quantized-dequantized weight and auto-round's scales (held in the
+    model's dtype, as llm-compressor registers them), by compressed-tensors' ``quantize``."""
+    _, quantize = autoround_libraries()
+    tensors = {}
+    for t, module in marked:
+        scale = module.scale.detach().to(stored).reshape(module.weight.shape[0], -1).cpu()
+        zero = _zero_point(module, t)
+        # on the host: one IEEE division either way
+        q = quantize(x=module.weight.detach().cpu(), scale=scale, zero_point=zero,
+                     args=t.args.to_compressed_tensors(), dtype=torch.int8)
+        tensors[f"{t.module}.weight_packed"] = int4.pack_int4(q)
+        tensors[f"{t.module}.weight_scale"] = scale
+        if zero is not None:
+            tensors[f"{t.module}.weight_zero_point"] = int4.pack_zero_point(zero)
+        for name in ("scale", "zp"):  # auto-round's, left on the Linear by its unwrapper
+            if hasattr(module, name):
+                delattr(module, name)
+    return tensors
+
+
+def _zero_point(module, target: Target) -> torch.Tensor | None:
+    """An asymmetric group's zero points in compressed-tensors' convention (int8, levels -8..7): AutoRound's own,
+    tuned with the rounding (``module.zp``, levels 0..15), less 8. llm-compressor 0.14 hands compressed-tensors only
+    AutoRound's scales (``AutoRoundModifier._postprocess_qparams``), so oneshot keeps its placeholder zero points of 0
+    and clamps every group whose AutoRound zero point is not 8 (tests/test_signround.py)."""
+    if target.args.symmetric:
+        return None
+    return (module.zp.detach().reshape(module.weight.shape[0], -1).cpu() - 8).round().to(torch.int8)
 
 
 @contextmanager
 def experts_as_linears(layer: torch.nn.Module, config) -> Iterator[torch.nn.Module]:
-    """``layer`` with a MoE layer's experts as Linears while in the block. transformers fuses the experts into one
-    module of 3-D weights, and AutoRound tunes Linears: each expert becomes a gate/up/down Linear under the
-    checkpoint's own names (``mlp.experts.N.gate_proj``) by llm-compressor's linearize (``LinearExperts2D``, what its
-    oneshot does to every MoE model), and computes the tokens the router sends it, as auto-round tunes a MoE block.
-    The fused module goes back afterwards: the layer walk rebuilds the layer from it."""
+    """``layer`` with a MoE layer's experts as Linears while in the block (a recipe that tunes more than the routed
+    experts of a MoE layer tunes the whole layer at once): each expert becomes a gate/up/down Linear under the
+    checkpoint's own names by llm-compressor's linearize (``LinearExperts2D``, what its oneshot does to every MoE
+    model). The fused module goes back afterwards, holding the tuned weights."""
     mlp = getattr(layer, "mlp", None)
     experts = getattr(mlp, "experts", None)
     if mlp is None or experts is None or isinstance(experts, torch.nn.ModuleList):
@@ -152,99 +307,233 @@ def experts_as_linears(layer: torch.nn.Module, config) -> Iterator[torch.nn.Modu
         return
     from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 
-    mlp.experts = LinearExperts2D.get_linear_experts_cls(type(experts)).from_experts_module(experts, config)
+    from quantkit.modeling import model_config
+
+    linear = LinearExperts2D.get_linear_experts_cls(type(experts)).from_experts_module(experts, model_config(config))
+    mlp.experts = linear
     try:
         yield layer
     finally:
         mlp.experts = experts
 
 
-def _tune_layer(walk, i, layer, targets, recipe, config, q_input, phases):
-    """llm-compressor's AutoRoundModifier on one decoder layer, as its sequential pipeline calls it; returns the
-    targets' packed weights and scales and the layer's quantized outputs for the next layer."""
-    AutoRoundModifier, State, DisableQuantization, quantize = llmcompressor_autoround()
-    settings = recipe.signround
-    root = torch.nn.Module()  # the layer under its name in the whole model, which recipe targets and ignores match
-    root.model = torch.nn.Module()
-    root.model.layers = torch.nn.ModuleDict({str(i): layer})
-    root.config, root.name_or_path = config, str(walk.ckpt.root)
-    groups = {name: scheme.model_dump(mode="json") for name, scheme in recipe.config.config_groups.items()}
-    modifier = AutoRoundModifier(config_groups=groups, ignore=list(recipe.config.ignore or []), iters=settings.iters,
-                                 lr=settings.lr, batch_size=settings.batch_size,
-                                 enable_torch_compile=settings.enable_torch_compile)
-    state = State(model=root)
-    with contextlib.redirect_stderr(io.StringIO()):  # the progress bars and warnings of the libraries it drives
-        modifier.on_initialize(state, sequential_targets=[type(layer).__name__])
-        leave_unquantized_alone(modifier, layer)
-        modifier.on_calibration_start(state, None)
+# --- a MoE layer's routed experts, tuned in groups ---------------------------------------------------------------
+
+class _ExpertGroups:
+    """A MoE layer's routed experts tuned group by group against the layer's full-precision outputs."""
+
+    def __init__(self, sr: SignRound, i: int, layer: Any, targets: list[Target], phases: Phases):
+        self.sr, self.i, self.layer, self.targets, self.phases = sr, i, layer, targets, phases
+        self.walk, self.tuning, self.device = sr.walk, sr.tuning, sr.walk.device
+        self.experts: Any = layer.mlp.experts  # transformers' fused experts: gate_up_proj, down_proj, act_fn
+        self.by_expert: dict[int, list[Target]] = {}
+        for t in targets:
+            m = layer_expert(t.rel)
+            assert m is not None
+            self.by_expert.setdefault(int(m["index"]), []).append(t)
+
+    def run(self):
+        walk = self.walk
+        fp_inputs, self.kwargs_of = _sequences(walk)
+        with self.phases("capture"):
+            walk.run(self.i, self.layer)  # the full-precision outputs: the reference and the next layer's inputs
+            reference = [args[0] for args, _ in walk.inputs]
+            active = self.sr.q_input if self.sr.q_input is not None else fp_inputs
+            parts = self._capture(active)
+        del fp_inputs
+        losses = []
+        todo = self._groups(parts)
+        tensors: dict[str, torch.Tensor] = {}
+        done = 0
+        while todo:
+            group = todo.pop(0)
+            try:
+                with self.phases("tune"):
+                    loss, marked = self._tune_group(group, parts, reference)
+            except torch.cuda.OutOfMemoryError:
+                if len(group) == 1:
+                    raise
+                torch.cuda.empty_cache()  # the plan's estimate was short: the group again, in halves
+                todo[:0] = [group[:len(group) // 2], group[len(group) // 2:]]
+                continue
+            done += 1
+            losses.append(loss)
+            tensors.update(_packed(marked, walk.stored))
+        with self.phases("forward"):
+            q_next = self._outputs(active)
+        return tensors, q_next, sum(losses), done
+
+    def _capture(self, active: QInputs) -> list[dict[str, torch.Tensor]]:
+        """Per sequence, through the full-precision layer on its tuning inputs: the MoE block's input ``x``, the
+        router's choice (``index``, ``weight``), and what the output holds besides the routed experts (``rest``: the
+        residual plus the shared experts, in FP32), kept where the walk keeps its layer inputs."""
+        mlp, seen = self.layer.mlp, {}
+        keep = self.walk.kept
+
+        def residual(_mod, args):
+            seen["h"] = args[0]
+
+        def routed(_mod, args):
+            seen["x"], seen["index"], seen["weight"] = args[0], args[1], args[2]
+
+        def shared(_mod, _args, output):
+            seen["shared"] = output
+
+        handles = [self.layer.post_attention_layernorm.register_forward_pre_hook(residual),
+                   mlp.experts.register_forward_pre_hook(routed),
+                   mlp.shared_experts.register_forward_hook(shared)]
+        parts = []
         try:
-            with DisableQuantization(root):
-                with phases("capture"):
-                    walk.run(i, layer)  # the hook keeps the inputs; the outputs go on to the next layer
-                modifier._q_input = q_input
-                with phases("tune"), torch.enable_grad():
-                    modifier.on_sequential_epoch_end(state, None, modules=[layer])
-                q_input = modifier._q_input
-            packed = {}
-            for t in targets:
-                module = layer.get_submodule(t.rel)
-                scale = getattr(module, "weight_scale", None)
-                if scale is None:
-                    raise QuantkitError("AutoRound left this weight unquantized (its recipe group and quantkit's "
-                                        "plan disagree)", walk.ckpt.root, t.module)
-                zero = _zero_point(module)
-                # on the host: AutoRound leaves scales there and weights on the GPU; one IEEE division either way
-                q = quantize(x=module.weight.detach().cpu(), scale=scale.detach().cpu(), zero_point=zero,
-                             args=module.quantization_scheme.weights, dtype=torch.int8)
-                packed[f"{t.module}.weight_packed"] = int4.pack_int4(q)
-                packed[f"{t.module}.weight_scale"] = scale.detach().to(walk.dtype).cpu()
-                if zero is not None:
-                    packed[f"{t.module}.weight_zero_point"] = int4.pack_zero_point(zero)
+            with torch.no_grad():
+                for k in range(len(active["hidden_states"])):
+                    hidden, kwargs = _select(active, self.kwargs_of, [k], self.device)
+                    self.layer(hidden.to(self.walk.dtype), **kwargs)
+                    h = seen["h"].reshape(-1, seen["h"].shape[-1])
+                    rest = h.float() + seen["shared"].reshape(h.shape).float()
+                    parts.append({"x": keep(seen["x"]), "index": keep(seen["index"]), "weight": keep(seen["weight"]),
+                                  "rest": keep(rest)})
         finally:
-            modifier.on_calibration_end(state, None)
-    return packed, q_input
+            for handle in handles:
+                handle.remove()
+        return parts
+
+    def _groups(self, parts) -> list[list[int]]:
+        """The experts in groups that fit the budget: each expert's tuning state and the rows of the tokens it may
+        reach (its input, base and reference outputs; a group of G of E experts reaches at most G * top-k / E of the
+        tokens)."""
+        wanted = sorted(self.by_expert)
+        budget = self.sr.budget
+        if budget is None:
+            return [wanted]
+        hidden, inter = self.experts.gate_up_proj.shape[-1], self.experts.down_proj.shape[-1]
+        count, top_k = self.experts.gate_up_proj.shape[0], parts[0]["index"].shape[-1]
+        tokens = sum(p["x"].shape[0] for p in parts)
+        width = self.experts.gate_up_proj.element_size()
+        per_expert = TUNING_BYTES_PER_WEIGHT * 3 * hidden * inter + tokens * top_k * hidden * (2 * width + 4) // count
+        groups = expert_groups(wanted, per_expert, budget.room())
+        if not groups:
+            raise layer_does_not_fit(self.walk.ckpt.root, self.i, budget.used() + per_expert, budget,
+                                     "its weights, its inputs and one expert's tuning state")
+        return groups
+
+    def _linears(self, group: list[int]) -> tuple[torch.nn.Module, list[tuple[Target, Any]]]:
+        """The group's experts as gate/up/down Linears in the tuning dtype (the fused weights themselves where that is
+        the layer's dtype), each target marked for tuning."""
+        block = torch.nn.Module()
+        inter = self.experts.down_proj.shape[-1]
+        marked = []
+        for e in group:
+            gate_up, down = self.experts.gate_up_proj[e], self.experts.down_proj[e]
+            expert = torch.nn.Module()
+            for name, weight in (("gate_proj", gate_up[:inter]), ("up_proj", gate_up[inter:]), ("down_proj", down)):
+                linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                linear.weight = torch.nn.Parameter(weight.to(self.tuning.dtype), requires_grad=False)
+                setattr(expert, name, linear)
+            block.add_module(str(e), expert)
+            for t in self.by_expert[e]:
+                proj = layer_expert(t.rel)["proj"]  # type: ignore[index]
+                module = getattr(expert, f"{proj}_proj")
+                mark_for_tuning(module, t.args)
+                marked.append((t, module))
+        return block, marked
+
+    def _tune_group(self, group: list[int], parts, reference) -> tuple[float, list[tuple[Target, Any]]]:
+        device, tuning = self.device, self.tuning
+        chosen = torch.tensor(group, device=device)
+        others = [e for e in range(self.experts.gate_up_proj.shape[0]) if e not in set(group)]
+        with torch.no_grad():  # per sequence, the rows of the tokens the group reaches
+            picked = []
+            for part, ref in zip(parts, reference, strict=True):
+                index = part["index"].to(device)
+                hit = torch.isin(index, chosen).any(dim=-1).nonzero().flatten()
+                picked.append((part["x"].to(device)[hit], index[hit], part["weight"].to(device)[hit],
+                               part["rest"].to(device)[hit], ref.to(device).reshape(-1, ref.shape[-1])[hit]))
+            x, index, weight, rest, target = (torch.cat(column) for column in zip(*picked, strict=True))
+            counts = [len(p[0]) for p in picked]
+            del picked
+            base = rest + self._contributions(x, index, weight, others)  # every other expert, in one pass
+            del rest
+            rows = list(zip(*(torch.split(t, counts) for t in (x.to(tuning.dtype), index, weight, base, target)),
+                            strict=True))
+            del x, index, weight, base, target
+        block, marked = self._linears(group)
+        act = self.experts.act_fn
+
+        def predict(indices: list[int]) -> torch.Tensor:
+            x = torch.cat([rows[k][0] for k in indices])
+            index = torch.cat([rows[k][1] for k in indices])
+            weight = torch.cat([rows[k][2] for k in indices])
+            out = torch.cat([rows[k][3] for k in indices])
+            with tuning.autocast(device):
+                for e in group:
+                    token, slot = torch.where(index == e)
+                    if token.numel() == 0:
+                        continue
+                    expert: Any = block.get_submodule(str(e))
+                    xe = x[token]
+                    y = expert.down_proj(act(expert.gate_proj(xe)) * expert.up_proj(xe))
+                    out = out.index_add(0, token, y.float() * weight[token, slot, None].float())
+            return out
+
+        def expected(indices: list[int]) -> torch.Tensor:
+            return torch.cat([rows[k][4] for k in indices])
+
+        _, loss = tune(block, predict, expected, len(rows), tuning, device)
+        with torch.no_grad():  # the tuned weights into the layer, for the groups after this one and the outputs
+            inter = self.experts.down_proj.shape[-1]
+            for e in group:
+                tuned: Any = block.get_submodule(str(e))
+                expert = tuned
+                self.experts.gate_up_proj[e, :inter].copy_(expert.gate_proj.weight)
+                self.experts.gate_up_proj[e, inter:].copy_(expert.up_proj.weight)
+                self.experts.down_proj[e].copy_(expert.down_proj.weight)
+        return loss, marked
+
+    def _contributions(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, experts: list[int]
+                       ) -> torch.Tensor:
+        """The weighted outputs of ``experts`` (the fused module's current weights) on the tokens routed to them,
+        summed per token in FP32."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        mod = self.experts
+        for e in torch.unique(index).tolist():
+            if e not in experts:
+                continue
+            token, slot = torch.where(index == e)
+            gate, up = torch.nn.functional.linear(x[token], mod.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(mod.act_fn(gate) * up, mod.down_proj[e])
+            out.index_add_(0, token, y.float() * weight[token, slot, None].float())
+        return out
+
+    def _outputs(self, active: QInputs) -> QInputs:
+        """The layer with its tuned experts on the tuning inputs, one sequence at a time: the next layer's."""
+        out: QInputs = {"hidden_states": []}
+        with torch.no_grad():
+            for k in range(len(active["hidden_states"])):
+                hidden, kwargs = _select(active, self.kwargs_of, [k], self.device)
+                result = self.layer(hidden.to(self.walk.dtype), **kwargs)
+                result = result if isinstance(result, tuple) else (result,)
+                out["hidden_states"].append(self.walk.kept(result[0]))
+                if "prev_topk_indices" in active and len(result) > 1 and result[1] is not None:
+                    out.setdefault("prev_topk_indices", []).append(self.walk.kept(result[1]))
+        return out
 
 
-def _zero_point(module) -> torch.Tensor | None:
-    """An asymmetric group's zero points in compressed-tensors' convention (int8, levels -8..7): AutoRound's own,
-    tuned with the rounding (``module.zp``, levels 0..15), less 8. llm-compressor 0.14 hands compressed-tensors only
-    AutoRound's scales (``AutoRoundModifier._postprocess_qparams``), so oneshot keeps its placeholder zero points of 0
-    and clamps every group whose AutoRound zero point is not 8 (tests/test_signround.py)."""
-    if module.quantization_scheme.weights.symmetric:
-        return None
-    return (module.zp.detach().cpu() - 8).round().to(torch.int8)
-
-
-def leave_unquantized_alone(modifier, layer: torch.nn.Module) -> None:
-    """Tell AutoRound every Linear of ``layer`` that the recipe leaves unquantized. AutoRound tunes each Linear of a
-    block that its ``ignore_layers`` does not name, with the modifier's default scheme, and llm-compressor 0.14 names
-    only targeted Linears without a scheme there (``AutoRoundModifier.get_unquantized_layer_names``): the attention
-    of an MLP-only recipe was rounded to INT4 while the MLP was tuned against it, then shipped in BF16 (oneshot saves
-    it rounded, as FP32). Measured on SmolLM2's first 2 layers, 200 steps: held-out KL 0.0088 before, 0.0048 after
-    (RTN 0.0248; docs/int4-methods.md)."""
-    targeted = modifier._match_autoround_targets(layer)
-    names = sorted(n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and m not in targeted)
-    object.__setattr__(modifier, "get_unquantized_layer_names", lambda _layer: names)  # a pydantic model: no setattr
-
+# --- what a resumed run starts from ------------------------------------------------------------------------------
 
 def _q_input_path(work: Path, i: int) -> Path:
     return work / f"q-input-{i:05d}.safetensors"
 
 
-def _save_q_input(work: Path, i: int, q_input) -> None:
-    """The quantized outputs of layer ``i`` that layer ``i + 1``'s tuning starts from: what a resumed run needs. A list
-    of hidden states per sequence, or (a layer that hands more to the next, as GLM-5's DSA attention hands on its
-    top-k indices) a dict of such lists."""
+def _save_q_input(work: Path, i: int, q_input: QInputs | None) -> None:
+    """The quantized outputs of layer ``i`` that layer ``i + 1``'s tuning starts from: what a resumed run needs, per
+    name (the hidden states; GLM-5's DSA attention also hands on its top-k indices) a list of sequences."""
     if q_input is None:
         return
-    named = q_input.items() if isinstance(q_input, dict) else [("", q_input)]
-    tensors = {f"q_input.{key}.{k}" if key else f"q_input.{k}": t.contiguous()
-               for key, seq in named for k, t in enumerate(seq)}
-    keys = list(q_input) if isinstance(q_input, dict) else None
-    write_safetensors(_q_input_path(work, i), tensors, {"format": "pt", "q_input_keys": json.dumps(keys)})
+    tensors = {f"q_input.{key}.{k}": t.contiguous().cpu() for key, seq in q_input.items() for k, t in enumerate(seq)}
+    write_safetensors(_q_input_path(work, i), tensors, {"format": "pt", "q_input_keys": json.dumps(list(q_input))})
 
 
-def _restore_q_input(work: Path, i: int, q_input):
+def _restore_q_input(work: Path, i: int, q_input: QInputs | None) -> QInputs | None:
     """On the first layer after a resume, the previous layer's quantized outputs from its file."""
     if q_input is not None or i == 0:
         return q_input
@@ -254,29 +543,12 @@ def _restore_q_input(work: Path, i: int, q_input):
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        keys = json.loads((f.metadata() or {}).get("q_input_keys", "null"))  # none: a list (an older file)
+        keys = json.loads((f.metadata() or {}).get("q_input_keys", "null")) or ["hidden_states"]
         stored = {name: f.get_tensor(name) for name in f.keys()}
 
     def sequences(prefix: str) -> list[torch.Tensor]:
         return [stored[f"{prefix}{k}"] for k in range(sum(n.startswith(prefix) for n in stored))]
 
-    return sequences("q_input.") if keys is None else {key: sequences(f"q_input.{key}.") for key in keys}
+    return {key: sequences(f"q_input.{key}.") for key in keys}
 
 
-@contextmanager
-def _autoround_log(losses: list[float]):
-    logger = logging.getLogger("autoround")
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            m = _LOSS.search(record.getMessage())
-            if m:
-                losses.append(float(m.group(2)))
-
-    saved, level = logger.handlers[:], logger.level
-    logger.handlers = [Capture()]
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.handlers, logger.level = saved, level
