@@ -41,7 +41,6 @@ from test_signround import SHIPPED, users_oneshot  # noqa: E402
 from quantkit.budget import budget  # noqa: E402
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer  # noqa: E402
 from quantkit.convert import convert  # noqa: E402
-from quantkit.evaluation import evaluate  # noqa: E402
 from quantkit.examples.smollm2 import smollm2_checkpoint  # noqa: E402
 from quantkit.formats.recipe import load_recipe  # noqa: E402
 from quantkit.packaged import evaldata_dir, recipes_dir  # noqa: E402
@@ -99,6 +98,10 @@ def make(name: str, source: Path, work: Path, rows, args) -> tuple[Path, dict]:
 
 
 def arc_outcomes(model: Path, run: Path, args) -> dict[str, int]:
+    if not args.arc:
+        return {}
+    from quantkit.evaluation import evaluate  # lm-eval: only the ARC-Easy score needs it
+
     evaluate(model, tasks=["arc_easy"], data_dir=evaldata_dir(), out=run, batch_size=args.batch_size,
              device=args.device, limit=args.limit)
     rows = [json.loads(line) for line in (run / "samples" / "arc_easy.jsonl").read_text().splitlines() if line]
@@ -117,6 +120,8 @@ def main() -> None:
                         help="a candidate this benchmark's own code already made elsewhere (tests/test_signround.py's "
                              "GPU test makes signround and oneshot from the same tokens): scored, not made again")
     parser.add_argument("--only", default="", help="comma-separated candidates (default: all)")
+    parser.add_argument("--no-arc", dest="arc", action="store_false",
+                        help="held-out perplexity and the time to make each candidate only (no lm-eval needed)")
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -141,7 +146,7 @@ def score_all(names: list[str], source: Path, work: Path, cpu_gptq, args) -> Non
     rows = calibration_rows(source)
     held_out = held_out_batches(source)
     base = arc_outcomes(source, work / "runs" / "source", args)
-    results = {"source": {"ppl": perplexity(source, held_out, args.device), "arc": sum(base.values()) / len(base)}}
+    results = {"source": {"ppl": perplexity(source, held_out, args.device), "arc": _share(base)}}
     made = dict(spec.split("=", 1) for spec in args.made)
     for name in names:
         if name in made:
@@ -154,13 +159,18 @@ def score_all(names: list[str], source: Path, work: Path, cpu_gptq, args) -> Non
             out, info = make(name, source, work, rows, args)
         cand = arc_outcomes(out, work / "runs" / name, args)
         ids = sorted(base)
-        delta, low, high = paired_binary_interval([base[i] for i in ids], [cand[i] for i in ids], z_of(0.025))
-        info.update(ppl=perplexity(out, held_out, args.device), arc=sum(cand.values()) / len(cand), delta=delta,
-                    low=low, high=high, passed=low > -args.margin)
+        delta, low, high = (paired_binary_interval([base[i] for i in ids], [cand[i] for i in ids], z_of(0.025))
+                            if ids else (float("nan"),) * 3)
+        info.update(ppl=perplexity(out, held_out, args.device), arc=_share(cand), delta=delta, low=low, high=high,
+                    passed=low > -args.margin)
         results[name] = info
         print(name, json.dumps(info), flush=True)
         (work / "int4-quality.json").write_text(json.dumps(results, indent=2))
     report(results, args.margin)
+
+
+def _share(outcomes: dict[str, int]) -> float:
+    return sum(outcomes.values()) / len(outcomes) if outcomes else float("nan")
 
 
 def report(results: dict, margin: float) -> None:

@@ -154,9 +154,12 @@ def _routed_gptq(tmp_path):
 
 
 def test_gptq_experts_in_groups_on_cuda_give_the_bytes_of_one_group(synthetic, tmp_path, monkeypatch):
-    """A budget that leaves room for three experts' Hessians at a time: the same bytes as all eight at once."""
-    from quantkit.convert.calibrated import memory
+    """A budget that leaves room for three experts' Hessians at a time: the same Hessians, so the same bytes as all
+    eight at once. Both runs quantize one weight a call: llm-compressor's GPTQ rounds a few codes differently in a
+    batch than alone (its batched and per-item Cholesky, docs/gptq.md), and the budget sizes the batches."""
+    from quantkit.convert.calibrated import gptq, memory
 
+    monkeypatch.setattr(gptq, "_batch_cap", lambda *args: 1)
     recipe = _routed_gptq(tmp_path)
     convert(synthetic["glm_moe_dsa"], tmp_path / "whole", recipe, device="cuda")
     monkeypatch.setattr(memory.Budget, "room", lambda self: 3 * 4 * (128 * 128 + 256 * 256) + 1_000_000)
