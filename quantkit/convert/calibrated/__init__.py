@@ -54,8 +54,9 @@ def run_calibrated(ckpt: Checkpoint, recipe: Recipe, plan, dst: Path, manifest: 
 def memory_plan(ckpt: Checkpoint, plan, recipe: Recipe, batches: list, budget: Budget | None,
                 dtype: torch.dtype | None) -> str | None:
     """Where the layer walk keeps the layer inputs between layers (None: on the device; ``cpu``: in host memory, a
-    batch moved to the device as it runs), from the largest layer's least need; a layer that cannot fit the budget
-    either way is refused here, before DST exists."""
+    batch moved to the device as it runs), from the largest layer's least need: on the device while they and that
+    need take at most three quarters of the budget. A layer that cannot fit the budget either way is refused here,
+    before DST exists."""
     from quantkit.convert.calibrated.memory import Run, layer_inputs_bytes, where_inputs_wait
     from quantkit.convert.calibrated.walk import calibration_targets
     from quantkit.modeling import model_dtype
@@ -72,7 +73,7 @@ def memory_plan(ckpt: Checkpoint, plan, recipe: Recipe, batches: list, budget: B
         return None
     on_device = max((quantizer.least_bytes(ckpt, recipe, i, t, Run(sequences, seq_len, width)), i)
                     for i, t in targets.items())
-    if on_device[0] + inputs <= budget.limit:
+    if on_device[0] + inputs <= budget.limit * 3 // 4:  # a quarter left for larger expert groups: fewer passes
         return None
     on_host = max((quantizer.least_bytes(ckpt, recipe, i, t, Run(sequences, seq_len, width, False)), i)
                   for i, t in targets.items())

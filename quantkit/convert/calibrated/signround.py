@@ -42,6 +42,7 @@ from quantkit.convert.calibrated.memory import (
     expert_groups,
     forward_bytes,
     layer_does_not_fit,
+    layer_inputs_bytes,
     layer_weight_bytes,
 )
 from quantkit.convert.calibrated.walk import Phases, QuantizedLayer, Target
@@ -104,8 +105,10 @@ class SignRound:
         if all(layer_expert(t.rel) for t in targets):
             per_expert = 3 * hidden * config.size("moe_intermediate_size")
             reached = tokens * config.size("num_experts_per_tok") // max(1, config.num_experts or 1) + 1
-            return (need + forward_bytes(config, seq, width) + reached * hidden * (2 * width + 4)
-                    + TUNING_BYTES_PER_WEIGHT * per_expert)
+            need += forward_bytes(config, seq, width) + reached * hidden * (2 * width + 4)
+            if run.inputs_on_device:  # the captured MoE inputs and residuals, the quantized inputs, the layer's own
+                need += tokens * hidden * (width + 4) + 2 * layer_inputs_bytes(config, run.sequences, seq, width)
+            return need + TUNING_BYTES_PER_WEIGHT * per_expert
         assert recipe.signround is not None
         need += 3 * forward_bytes(config, seq, width) * recipe.signround.batch_size + 3 * tokens * hidden * width
         return need + TUNING_BYTES_PER_WEIGHT * sum(_numel(ckpt, t.module) for t in targets)
