@@ -133,9 +133,11 @@ class SignRound:
         else:
             tuned = _tune_block(self, i, layer, targets, phases)
         tensors, self.q_input, loss, groups = tuned
-        _save_q_input(self.work, i, self.q_input)  # before the layer is recorded: a resume at i + 1 starts from it
         records = {t.module: CalibratedModuleRecord(method="signround", tokens=self.tokens, loss=loss) for t in targets}
-        return QuantizedLayer(tensors, records, advanced=True, expert_groups=groups)  # tuning ran the inputs on
+        q_input = self.q_input  # written before the layer is recorded: a resume at i + 1 starts from it (GLM-5 at
+        # 256 x 2048 tokens: 10.7 GB, so in the writer's thread while the next layer is tuned)
+        return QuantizedLayer(tensors, records, advanced=True, expert_groups=groups,  # tuning ran the inputs on
+                              first=lambda: _save_q_input(self.work, i, q_input))
 
     def advance(self, i: int, state: dict[str, torch.Tensor], targets: list[Target], done: Path | None) -> None:
         """The full-precision model's hidden states, as llm-compressor's pipeline feeds AutoRound."""
@@ -272,13 +274,15 @@ def _packed(marked: list[tuple[Target, Any]], stored: torch.dtype) -> dict[str, 
     _, quantize = autoround_libraries()
     tensors = {}
     for t, module in marked:
-        scale = module.scale.detach().to(stored).reshape(module.weight.shape[0], -1).cpu()
+        weight = module.weight.detach()
+        scale = module.scale.detach().to(weight.device, stored).reshape(weight.shape[0], -1)
         zero = _zero_point(module, t)
-        # on the host: one IEEE division either way
-        q = quantize(x=module.weight.detach().cpu(), scale=scale, zero_point=zero,
+        # where the weight is (a GLM-5 layer's 768 expert weights took half a minute on the host): one correctly
+        # rounded IEEE division, rounding and clamping, the same bits on either
+        q = quantize(x=weight, scale=scale, zero_point=None if zero is None else zero.to(weight.device),
                      args=t.args.to_compressed_tensors(), dtype=torch.int8)
-        tensors[f"{t.module}.weight_packed"] = int4.pack_int4(q)
-        tensors[f"{t.module}.weight_scale"] = scale
+        tensors[f"{t.module}.weight_packed"] = int4.pack_int4(q).cpu()
+        tensors[f"{t.module}.weight_scale"] = scale.cpu()
         if zero is not None:
             tensors[f"{t.module}.weight_zero_point"] = int4.pack_zero_point(zero)
         for name in ("scale", "zp"):  # auto-round's, left on the Linear by its unwrapper

@@ -76,6 +76,7 @@ class QuantizedLayer:
     records: dict[str, CalibratedModuleRecord]
     advanced: bool = False
     expert_groups: int = 0  # the groups its routed experts were worked in (0: none)
+    first: Callable[[], None] | None = None  # run in the writer's thread before the layer file: what a resume needs
 
 
 class LayerQuantizer(Protocol):
@@ -196,7 +197,7 @@ def walk_layers(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Pat
                 with out_of_memory_is_one_line(ckpt, i, quantizer.budget):
                     layer = quantizer.quantize(i, state, layer_targets, phases)
                 with phases("write"):  # the wait for the previous layer's file, if it is still being written
-                    files.write(i, path, layer.tensors, layer.records)
+                    files.write(i, path, layer.tensors, layer.records, layer.first)
                 advanced, groups = layer.advanced, layer.expert_groups
             if i < last and not advanced:
                 with phases("forward"):
@@ -243,12 +244,18 @@ class LayerFiles:
         self._pending: tuple[int, Future] | None = None
 
     def write(self, i: int, path: Path, tensors: dict[str, torch.Tensor],
-              records: dict[str, CalibratedModuleRecord]) -> None:
+              records: dict[str, CalibratedModuleRecord], first: Callable[[], None] | None = None) -> None:
+        """``first``: what must be on disk before the layer is (SignRound's quantized outputs), written beside it."""
         meta = {m: r.model_dump() for m, r in records.items()}
         self.wait()  # one layer in flight: the host holds at most two layers' packed weights
+
+        def both():
+            if first is not None:
+                first()
+            return write_safetensors(path, tensors, {"format": "pt", "quantkit_calibrated": json.dumps(meta)})
+
         self.manifest.calibrated_modules.update(records)
-        self._pending = (i, self._pool.submit(write_safetensors, path, tensors,
-                                              {"format": "pt", "quantkit_calibrated": json.dumps(meta)}))
+        self._pending = (i, self._pool.submit(both))
 
     def wait(self) -> None:
         if self._pending is None:
