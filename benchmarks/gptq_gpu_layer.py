@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--family", default="glm_moe_dsa", choices=("glm_moe_dsa", "deepseek_v3"))
     parser.add_argument("--device", default="cuda", help="cuda, or a list cuda:0,cuda:1")
     parser.add_argument("--gpu-memory", help="the budget a layer may hold on each GPU (default: what is free)")
+    parser.add_argument("--layers", type=int, default=3, help="decoder layers: the first dense, the rest MoE (3: one "
+                                                                "MoE layer with the forward to the next, one without)")
     parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
     parser.add_argument("--no-rtn", action="store_true", help="skip the RTN reference conversion")
     args = parser.parse_args()
@@ -116,6 +118,7 @@ def main() -> None:
     dims = SMALL if args.small else GLM5_LAYER if args.family == "glm_moe_dsa" else DEEPSEEK_V3_LAYER
     if args.small and args.family == "deepseek_v3":
         dims = {k: v for k, v in SMALL.items() if not k.startswith("index_")}
+    dims = dict(dims, num_hidden_layers=args.layers)
     prefix = {"glm_moe_dsa": "glm5", "deepseek_v3": "deepseek-v3"}[args.family]
     t0 = time.perf_counter()
     src = build(work / "src", args.device.split(",")[0], dims, args.family)
