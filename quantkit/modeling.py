@@ -47,7 +47,18 @@ def read_weight(ckpt: Checkpoint, reader: TensorReader, module: str, dtype: torc
     scale_name = next((s for s in (f"{module}.weight_scale_inv", f"{module}.weight_scale") if s in names), None)
     if scale_name is None:
         raise QuantkitError("FP8 weight without its scale", ckpt.root / names[name].file, name)
-    return decode_weight("fp8_block", (t, reader.read(scale_name).to(device)), dtype, ckpt.config.fp8_block)
+    scale = reader.read(scale_name).to(device)
+    if is_channel_scale(tuple(scale.shape), tuple(t.shape), ckpt.config.fp8_block):
+        return decode_weight("fp8_channel", (t, scale), dtype)
+    return decode_weight("fp8_block", (t, scale), dtype, ckpt.config.fp8_block)
+
+
+def is_channel_scale(scale: tuple[int, ...], weight: tuple[int, ...], block: tuple[int, int]) -> bool:
+    """An FP8 weight's scale is one per output row ([out, 1], FP8_DYNAMIC), not one per block: the two shapes differ
+    for every weight but a single row of at most one block."""
+    from quantkit.formats.shapes import expected_scale_shape
+
+    return len(weight) == 2 and scale == (weight[0], 1) and scale != tuple(expected_scale_shape(weight, block))
 
 
 def dequantized_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

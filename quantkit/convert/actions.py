@@ -169,6 +169,12 @@ def _fp8(step: _Step, w) -> tuple:
     return step.timed("quantize", fp8_block.quantize_fp8_block, w, step.plan.block)
 
 
+def _fp8_channel(step: _Step, w) -> tuple:
+    from quantkit.formats import fp8_channel
+
+    return step.timed("quantize", fp8_channel.quantize_fp8_channel, w)
+
+
 def _int4_symmetric(step: _Step, w) -> tuple:
     from quantkit.formats import int4
 
@@ -189,6 +195,8 @@ def _computation(action: Action) -> tuple[Callable[..., tuple], tuple[str, ...]]
         return _decoded, ("weight",)
     if action.kind == ActionKind.FP8_QUANTIZE:
         return _fp8, ("weight", "weight_scale")
+    if action.kind == ActionKind.FP8_CHANNEL:
+        return _fp8_channel, ("weight", "weight_scale")
     if action.symmetric:
         return _int4_symmetric, ("weight_packed", "weight_scale")
     return _int4_asymmetric, ("weight_packed", "weight_scale", "weight_zero_point")
@@ -216,6 +224,7 @@ RUNNERS: dict[ActionKind, Callable[[_Step], dict]] = {
     ActionKind.DEQUANTIZE: _computed,
     ActionKind.INT4_DEQUANT: _computed,
     ActionKind.FP8_QUANTIZE: _computed,
+    ActionKind.FP8_CHANNEL: _computed,
     ActionKind.INT4: _int4,
     ActionKind.INT4_REQUANT: _int4,
 }

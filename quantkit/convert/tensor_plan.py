@@ -63,6 +63,7 @@ class ActionKind(str, Enum):
     INT4_DEQUANT = "int4_dequant"  # a compressed-tensors INT4 source no group targets -> the model dtype
     FP8_KEEP = "fp8_keep"  # a block-FP8 weight kept block-FP8 (scale renamed weight_scale)
     FP8_QUANTIZE = "fp8_quantize"  # a float weight targeted by a block-FP8 group
+    FP8_CHANNEL = "fp8_channel"  # a float or block-FP8 weight -> FP8 with a scale per output row (FP8_DYNAMIC)
 
     def __str__(self) -> str:
         return self.value
@@ -270,8 +271,13 @@ def _weight_action(module, params, ckpt, recipe, source_ct, dtype, block) -> Act
         )
         kind = ActionKind.FP8_KEEP if encoding == "fp8_block" else ActionKind.FP8_QUANTIZE
         return Action(kind, module, sources, outputs, encoding, group)
+    if weights is not None and _is_fp8_channel(scheme):
+        outputs = (output_tensor(weight.name, "F8_E4M3", weight.shape),
+                   output_tensor(f"{module}.weight_scale", dtype, (weight.shape[0], 1)))
+        return Action(ActionKind.FP8_CHANNEL, module, sources, outputs, encoding, group)
     raise QuantkitError(
-        f"recipe group {group}: only INT4 group/channel and FP8 block schemes are supported",
+        f"recipe group {group}: only INT4 group/channel, FP8 block and FP8 channel (with dynamic per-token FP8 "
+        "activations or none) schemes are supported",
         where(weight),
         weight.name,
     )
@@ -372,6 +378,15 @@ def _is_int4_group(scheme: QuantizationScheme) -> bool:
 def _is_fp8_block(scheme: QuantizationScheme) -> bool:
     w = scheme.weights
     return w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "block"
+
+
+def _is_fp8_channel(scheme: QuantizationScheme) -> bool:
+    """FP8 weights with a scale per output row, their activations quantized by the engine per token at run time (the
+    W8A8-FP8 schemes both engines run) or not at all."""
+    w, a = scheme.weights, scheme.input_activations
+    weights = w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "channel" and w.symmetric
+    return weights and (a is None or (a.type == "float" and a.num_bits == 8 and a.strategy == "token"
+                                      and a.dynamic is True and a.symmetric))
 
 
 def _group_size(scheme, weight: TensorInfo, ckpt: Checkpoint, recipe: Recipe) -> int:

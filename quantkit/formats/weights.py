@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.formats import fp8_block, int4
+from quantkit.formats import fp8_block, fp8_channel, int4
 
-ENCODINGS = ("fp8_block", "int4_packed", "float")
+ENCODINGS = ("fp8_block", "fp8_channel", "int4_packed", "float")
 
 
 def decode_weight(encoding: str, parts: tuple[torch.Tensor, ...], dtype: torch.dtype,
@@ -19,6 +19,7 @@ def decode_weight(encoding: str, parts: tuple[torch.Tensor, ...], dtype: torch.d
     """The weight in ``dtype`` from its stored ``parts``:
 
     - ``fp8_block``: (fp8 weight, scale) with the scale per ``block``: bf16(fp32(w) * scale), one rounding;
+    - ``fp8_channel``: (fp8 weight, scale [out, 1]): w in the scale's dtype times the scale, then ``dtype``;
     - ``int4_packed``: (int32 packed, scale, [out, in][, packed zero point]): (q - zero point) * scale in the
       scale's dtype, then ``dtype``;
     - ``float``: (weight,) cast to ``dtype``.
@@ -26,6 +27,9 @@ def decode_weight(encoding: str, parts: tuple[torch.Tensor, ...], dtype: torch.d
     if encoding == "fp8_block":
         weight, scale = parts
         return fp8_block.dequantize_fp8_block(weight, scale, block, dtype)
+    if encoding == "fp8_channel":
+        weight, scale = parts
+        return fp8_channel.dequantize_fp8_channel(weight, scale, dtype)
     if encoding == "int4_packed":
         packed, scale, shape, *zero = parts
         out_features, in_features = (int(d) for d in shape)
