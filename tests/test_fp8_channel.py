@@ -96,3 +96,24 @@ def test_a_zero_row_gets_the_epsilon_scale_and_round_trips():
     q, scale = quantize_fp8_channel(w)
     assert scale[2].item() == torch.finfo(torch.bfloat16).eps and not q.view(torch.uint8)[2].any()
     assert torch.allclose(dequantize_fp8_channel(q, scale, torch.float32), w.float(), rtol=0.07, atol=1e-6)
+
+
+def test_verify_passes_it_and_refuses_a_scale_the_engines_would_not_load(llama, tmp_path):
+    """Both engines load a channel scale into an [out, 1] parameter and assert the shape (SGLang 0.5.23
+    srt/layers/parameter.py copy_with_check; vLLM 0.33.0 model_executor/parameter.py): a 1-D scale fails there."""
+    from safetensors.torch import save_file
+
+    from quantkit.verify import verify
+
+    out = tmp_path / "out"
+    convert(llama, out, RECIPE, device="cpu")
+    for engine in ("sglang", "vllm"):
+        assert verify(out, source=llama, engine=engine, smoke=False).passed
+    shard = next(out.glob("*.safetensors"))
+    stored = load_file(shard)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    stored[name] = stored[name].reshape(-1)
+    save_file(stored, shard, {"format": "pt"})
+    report = verify(out, engine="sglang", smoke=False)
+    assert not report.passed
+    assert any(f.tensor == name and "expected [256, 1]" in f.message for f in report.findings)

@@ -103,7 +103,8 @@ def test_match_name_is_compressed_tensors_own():
 
 FAMILY_OF = {"glm5": "glm_moe_dsa", "deepseek": "deepseek_v3", "dense": "llama"}
 EXPECTED_FORMAT = {"glm5-int4-experts-g128-fp8": "mixed-precision", "dense-fp8-block": "float-quantized",
-                   "dense-mlp-fp8-block": "float-quantized", "dense-fp8-dynamic": "float-quantized"}  # else INT4
+                   "dense-mlp-fp8-block": "float-quantized", "dense-fp8-dynamic": "float-quantized",
+                   "glm5-fp8-dynamic": "float-quantized", "deepseek-v3-fp8-dynamic": "float-quantized"}  # else INT4
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))

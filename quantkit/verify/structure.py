@@ -75,8 +75,40 @@ def stored_modules(ckpt: Checkpoint, findings: list[Finding]) -> dict[str, Store
                             "present", name, info.file))
             elif param == "weight" and len(info.shape) == 2:
                 kind = "fp8" if info.dtype.startswith("F8") else "float"
+                if kind == "fp8":
+                    problem = _fp8_scale_problem(ckpt, module, info, described)
+                    if problem:
+                        findings.append(Finding("structure", "an FP8 weight's scale has its scheme's shape (a row "
+                                                "each for channel, a 128x128 block each for block)", problem[0],
+                                                problem[1], ckpt.tensors[problem[1]].file
+                                                if problem[1] in ckpt.tensors else info.file))
+                        continue
                 out[module] = Stored(kind, info.shape[0], info.shape[1])
     return out
+
+
+def _fp8_scale_problem(ckpt: Checkpoint, module: str, weight, described) -> tuple[str, str] | None:
+    """What is wrong with an FP8 weight's scale, and the tensor: missing, or not the shape the engines load for the
+    scheme describing it ([out, 1] per channel: both engines assert it, a 1-D scale fails their load; one per
+    block otherwise)."""
+    from quantkit.formats.shapes import expected_scale_shape
+
+    name = next((n for n in (f"{module}.weight_scale", f"{module}.weight_scale_inv") if n in ckpt.tensors), None)
+    if name is None:
+        return "no weight_scale or weight_scale_inv", weight.name
+    scheme = described.scheme_for(module, True) if described else None
+    weights = scheme[1].weights if scheme is not None else None
+    rows, cols = weight.shape
+    want: tuple[int, ...]
+    if weights is not None and weights.strategy == "channel":
+        want = (rows, 1)
+    elif weights is not None and weights.strategy == "tensor":
+        return None
+    else:
+        b = weights.block_structure if weights is not None and weights.block_structure else ckpt.config.fp8_block
+        want = expected_scale_shape((rows, cols), (int(b[0]), int(b[1])))
+    got = tuple(ckpt.tensors[name].shape)
+    return (f"{list(got)}, expected {list(want)} for weight [{rows}, {cols}]", name) if got != want else None
 
 
 def structure(ckpt: Checkpoint, stored: dict[str, Stored]) -> list[Finding]:
