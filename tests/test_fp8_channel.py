@@ -117,3 +117,32 @@ def test_verify_passes_it_and_refuses_a_scale_the_engines_would_not_load(llama, 
     report = verify(out, engine="sglang", smoke=False)
     assert not report.passed
     assert any(f.tensor == name and "expected [256, 1]" in f.message for f in report.findings)
+
+
+def test_the_in_process_engine_quantizes_each_tokens_input_as_the_engine_does(llama, tmp_path):
+    """SGLang 0.5.23's per-token kernel (jit/csrc/gemm/per_token_quant_fp8.cuh:41-64): absmax / 448 in FP32, times the
+    reciprocal, clamped, cast; a zero token stays zero. The hf engine applies it to the input of every Linear the
+    scheme quantizes per token (all 14 here; lm_head is left alone), so its logits move."""
+    from quantkit.evaluation.activations import activation_hooks, fake_quantize_per_token
+    from quantkit.modeling import load_model
+
+    x = (torch.randn(3, 5, 64) * torch.linspace(0.01, 30, 64)).to(torch.bfloat16)
+    x[1, 2] = 0
+    scale = x.float().abs().amax(-1, keepdim=True) / 448
+    want = ((x.float() * torch.where(scale == 0, 0, 1 / scale)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            * scale).to(torch.bfloat16)
+    assert torch.equal(fake_quantize_per_token(x), want) and not fake_quantize_per_token(x)[1, 2].any()
+
+    out = tmp_path / "out"
+    convert(llama, out, RECIPE, device="cpu")
+    model = load_model(out, torch.float32)
+    ids = torch.randint(2, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with activation_hooks(model, open_checkpoint(out)) as hooked:
+            emulated = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert hooked == 14
+    assert not torch.equal(plain, emulated) and torch.equal(plain, again)  # the hooks go with the context
+    with activation_hooks(load_model(llama), open_checkpoint(llama)) as none:
+        assert none == 0  # a checkpoint without the scheme is not touched

@@ -75,7 +75,8 @@ def _recorded(run: EvalRun) -> dict:
 @register_engine("hf")
 class HFEngine(Engine):
     """transformers in-process through quantkit's strict loader (INT4 MoE experts are really there), with an FP8 KV
-    cache emulated from the checkpoint's calibrated scales."""
+    cache emulated from the checkpoint's calibrated scales and the per-token FP8 activations of an FP8_DYNAMIC scheme
+    (evaluation/activations.py)."""
 
     def check(self, run: EvalRun) -> None:
         from quantkit.devices import resolve_device
@@ -101,14 +102,16 @@ class HFEngine(Engine):
 
         from quantkit.checkpoint.families import detect_family
         from quantkit.checkpoint.reader import open_checkpoint
+        from quantkit.evaluation.activations import activation_hooks
         from quantkit.evaluation.shared_context import SharedContextHFLM
         from quantkit.kv.hooks import kv_hooks
         from quantkit.modeling import load_model
 
         model = load_model(run.path, _compute_dtype(run.settings, run.device, run.path), device=run.device or "cpu")
+        ckpt = open_checkpoint(run.path)
         if run.scales:
-            attention = detect_family(open_checkpoint(run.path).config).attention
-            stack.enter_context(kv_hooks(model, attention, scales=run.scales))
+            stack.enter_context(kv_hooks(model, detect_family(ckpt.config).attention, scales=run.scales))
+        stack.enter_context(activation_hooks(model, ckpt))  # what the engine quantizes per token at run time
         record = EngineRecord(name="hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
                               args=_recorded(run))
         return Started(SharedContextHFLM(pretrained=model, tokenizer=run.tokenizer, batch_size=run.settings.batch_size),
