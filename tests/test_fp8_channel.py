@@ -74,6 +74,10 @@ def test_a_block_fp8_source_is_decoded_then_quantized_per_row(tmp_path):
         for name in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"):
             want_q, want_scale = quantize_fp8_channel(read_weight(ckpt, reader, name))
             assert same(out[f"{name}.weight"], want_q) and same(out[f"{name}.weight_scale"], want_scale)
+    from quantkit.verify import verify
+
+    # quantized again, not copied: its error against the source is FP8's rounding, which verify bounds
+    assert verify(tmp_path / "out", source=src, engine="sglang", smoke=False).passed
 
 
 def test_read_back_as_compressed_tensors_dequantizes_it(llama, tmp_path):

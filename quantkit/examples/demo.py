@@ -1,23 +1,22 @@
-"""``demo``: three real releases of a real small model, offline, on a laptop CPU.
+"""``demo``: the recipe's two pools for a real small model, released offline on a laptop CPU.
 
 SmolLM2-135M-Instruct (fetched from PyPI, see real_models) is written as a block-FP8 source the way
-DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs three times from that source, with the
-in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the small-model
-suite (eval/suites/small-model.yaml), every candidate with a calibrated FP8 KV cache:
+DeepSeek-V3 and GLM 5.x are released. Then ``release`` runs once for each pool of the recipe quantkit implements,
+from that source, with the in-process engine on slices of the built-in ARC-Easy and GSM8K test sets, under the
+small-model suite (eval/suites/small-model.yaml):
 
-  int4       the MLP to asymmetric INT4 group 32 by round-to-nearest, attention kept: the GLM 5.x decode-pool
-             recipe's counterpart for a dense model (its MLPs play the routed experts). Asymmetric RTN is the INT4
-             method that lost fewest items on the demo's own suite, ahead of symmetric RTN and GPTQ
-             (benchmarks/demo_candidates.py; SignRound needs a GPU for its 200 steps a layer);
-  int4-budget  the same INT4, each layer's MLP kept BF16 or not as ``quantkit budget`` chooses to fit the source's
-             bytes with the least measured damage;
-  fp8        the MLP kept in its block-FP8 form, attention BF16: the prefill pool's weight format where the engines
-             run it. Not on this model: SGLang's block-FP8 Linear quantizes its input in groups of 128 and SmolLM2's
-             MLP input is 576 wide (SGLang 0.5.17 failed at its first forward, docs/verify.md), so ``verify`` stops
-             this release before any evaluation and the demo shows why.
+  prefill    every Linear to FP8 with a scale per row and FP8 activations per token (``dense-fp8-dynamic``, the
+             FP8_DYNAMIC preset), the KV cache BF16: the prefill pool's formats. Block-FP8, the source's own, does not
+             run on this model (SGLang quantizes a block-FP8 Linear's input in groups of 128 and SmolLM2's MLP input
+             is 576 wide; docs/verify.md); per-row FP8 has no such rule. The in-process engine quantizes each token's
+             input as the engines do (evaluation/activations.py);
+  decode     the MLP to asymmetric INT4 group 32 by round-to-nearest, attention kept, with a calibrated FP8 KV cache:
+             the GLM 5.x decode-pool recipe's counterpart for a dense model (its MLPs play the routed experts).
+             Asymmetric RTN is the INT4 method a CPU makes that lost fewest items on the demo's own suite, ahead of
+             symmetric RTN and GPTQ (benchmarks/demo_candidates.py; SignRound needs a GPU for its 200 steps a layer).
 
-Each is published to a local folder only if it passes ``verify`` for SGLang and then its gate; the later ones
-reuse the first's baseline run. Nothing here is special-cased: each release is a config file like any other.
+Each is published to a local folder, with its card, only if it passes ``verify`` for SGLang and then its gate; the
+second reuses the first's baseline run. Nothing here is special-cased: each release is a config file like any other.
 """
 
 from __future__ import annotations
@@ -38,19 +37,24 @@ SUITE = "small-model"  # built-in (quantkit.suites)
 
 @dataclass(frozen=True)
 class Candidate:
-    """A release of the demo: a built-in recipe, or (``budgeted``) the recipe ``quantkit budget`` writes from it."""
+    """A release of the demo: a built-in recipe (or, ``budgeted``, the recipe ``quantkit budget`` writes from it), the
+    serving pool it is for, and whether its KV cache is FP8 (calibrated) or stays as the source's."""
 
     recipe: str
+    pool: str = "decode"
+    fp8_kv: bool = True
     budgeted: bool = False
 
+    def published_name(self, name: str) -> str:
+        return f"smollm2-135m-{name}" + ("-fp8kv" if self.fp8_kv else "")
 
-# chosen by measurement on the demo's own suite (docs/demo.md, benchmarks/demo_candidates.py): asymmetric RTN lost
-# fewer items than symmetric RTN and than GPTQ, whose 2 minutes of calibration bought nothing measurable here
-CANDIDATES = {"int4": Candidate("dense-mlp-w4a16-asym-g32"),
-              "int4-budget": Candidate("dense-mlp-w4a16-asym-g32", budgeted=True),
-              "fp8": Candidate("dense-mlp-fp8-block")}
-# of the block-FP8 source's bytes. All-INT4 MLPs take 0.949; each MLP kept BF16 (block-FP8 cannot run on its 576-wide
-# input) adds 0.023: the source's own size keeps the ones that INT4 hurts most (at 0.97, none fit)
+
+# the decode pool's INT4 chosen by measurement on the demo's own suite (docs/demo.md, benchmarks/demo_candidates.py):
+# asymmetric RTN lost fewer items than symmetric RTN and than GPTQ, whose 2 minutes of calibration bought nothing
+# measurable here
+CANDIDATES = {"prefill": Candidate("dense-fp8-dynamic", pool="prefill", fp8_kv=False),
+              "decode": Candidate("dense-mlp-w4a16-asym-g32", pool="decode", fp8_kv=True)}
+# of the block-FP8 source's bytes, for a budgeted candidate: all-INT4 MLPs take 0.949; each MLP kept BF16 adds 0.023
 BUDGET = "1.0"
 FLIP_SHARE = 0.14  # of ARC-Easy items whose correctness INT4 RTN of the MLP flips on this model (all 2,376 measured)
 
@@ -63,12 +67,12 @@ def planned_margin(items: int) -> float:
 
 @dataclass
 class DemoRelease:
-    name: str
+    name: str  # the pool it is for
     recipe: str
     config: str
     passed: bool
     published: str | None  # the local folder, when the gate passed
-    stopped: str | None  # why the release stopped, when it did
+    stopped: str | None  # why the release stopped, when it did: the stage and the cause, one line
     gate_table: str
     report: str | None
     result: ReleaseResult | None = None
@@ -117,12 +121,13 @@ def demo(
             "recipe": recipe,
             "work_dir": str(work / f"release-{name}"),
             "convert": {"device": "cpu"},
-            "calibrate_kv": {"samples": 32, "seq_len": 512, "batch_size": 4, "device": "cpu"},
+            **({"calibrate_kv": {"samples": 32, "seq_len": 512, "batch_size": 4, "device": "cpu"}}
+               if candidate.fp8_kv else {}),
             "verify": {"engine": "sglang", "tp": 1},
             "eval": {"engine": "hf", "tasks": ["arc_easy", "gsm8k"], "data_dir": str(data), "batch_size": 16,
                      "baseline_run": str(baseline)},
             "suite": str(suite),
-            "publish": {"repo": f"file://{work / 'published' / f'smollm2-135m-{name}-fp8kv'}",
+            "publish": {"repo": f"file://{work / 'published' / candidate.published_name(name)}",
                         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
         }
         path = work / f"release-{name}.yaml"
@@ -137,7 +142,7 @@ def demo(
         except ReleaseStopped as exc:
             report = gate_dir / "report.md"
             table = report.read_text() if exc.stage == "gate" and report.is_file() else ""
-            result.releases.append(DemoRelease(name, recipe, str(path), False, None, str(exc), table,
+            result.releases.append(DemoRelease(name, recipe, str(path), False, None, f"{exc.stage}: {exc.cause}", table,
                                                str(gate_dir / "report.html") if table else None))
             if exc.stage not in ("verify", "gate"):  # anything but an honest verdict is the demo's own failure
                 raise

@@ -58,7 +58,7 @@ class ReleaseResult:
 
 class ReleaseStopped(QuantkitError):
     def __init__(self, stage: str, cause: str, config: Path):
-        self.stage = stage
+        self.stage, self.cause = stage, cause
         super().__init__(f"release stopped at stage {stage}: {cause}; "
                          f"after fixing it, resume with: quantkit release {config} --resume")
 

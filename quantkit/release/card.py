@@ -32,7 +32,39 @@ DATASETS = {
 }
 FORMAT_TAGS = {"pack-quantized": ["int4", "w4a16"], "float-quantized": ["fp8"]}
 FORMAT_WORDS = {"pack-quantized": "INT4 group-quantized (`pack-quantized`)",
-                "float-quantized": "block-FP8 (`float-quantized`)"}
+                "float-quantized": "FP8 (`float-quantized`)"}
+
+
+def scheme_words(scheme) -> tuple[str, str]:
+    """A config group's weights and activations, as a reader of the card says them."""
+    w, a = scheme.weights, scheme.input_activations
+    if w is None:
+        weights = "as stored"
+    elif w.type == "int":
+        size = f"group {w.group_size}" if w.strategy == "group" else w.strategy
+        weights = f"INT{w.num_bits} {'symmetric' if w.symmetric else 'asymmetric'}, {size}"
+    else:
+        how = {"channel": "a scale per output row", "block": "a scale per "
+               + "x".join(str(b) for b in w.block_structure or ()) + " block", "tensor": "one scale"}
+        weights = f"FP{w.num_bits} e4m3, {how.get(w.strategy or '', w.strategy)}"
+    if a is None:
+        activations = "model dtype (weight-only)"
+    else:
+        per = {"token": "per token", "group": f"per group of {a.group_size}", "tensor": "per tensor"}
+        activations = (f"FP{a.num_bits} {'dynamic' if a.dynamic else 'static'} {per.get(a.strategy or '', a.strategy)}"
+                       if a.type == "float" else f"INT{a.num_bits} {per.get(a.strategy or '', a.strategy)}")
+    return weights, activations
+
+
+def pool(config: ModelConfig) -> str:
+    """Which of the recipe's two GPU pools this checkpoint is made for: prefill runs FP8 weights with a BF16 KV cache,
+    decode INT4 weights with an FP8 KV cache (a checkpoint that is neither says so)."""
+    formats, fp8_kv = config.quantization.group_formats(), bool(config.quantization.kv_cache_scheme)
+    if "pack-quantized" in formats and fp8_kv:
+        return "decode (INT4 weights, FP8 KV cache)"
+    if formats == {"float-quantized"} and not fp8_kv:
+        return "prefill (FP8 weights, BF16 KV cache)"
+    return "neither pool's exact formats (prefill: FP8 weights + BF16 KV; decode: INT4 weights + FP8 KV)"
 
 
 def _formats(config: ModelConfig) -> list[str]:
@@ -134,6 +166,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     lines += [f"{described} ([compressed-tensors](https://github.com/vllm-project/compressed-tensors)) conversion of "
               f"{markdown_code(origin)} made with quantkit {quantkit.__version__}, recipe {markdown_code(recipe)}"
               + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
+    lines += _formats_section(config)
     lines += _gate_section(verdict)
     tp = serving_tp(after.total_bytes)
     served = visible(name)  # a folder name is data: the builders quote it as one shell word, whatever it holds
@@ -154,6 +187,24 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     lines.append("")
     lines += _provenance_section(manifest, verdict)
     return "\n".join(lines) + "\n"
+
+
+def _formats_section(config: ModelConfig) -> list[str]:
+    """The pool it serves and, per config group, what is stored and what the engine does at run time."""
+    described = config.quantization.compressed()
+    lines = ["## Formats", "", f"Made for the **{pool(config)}** pool of a prefill/decode deployment.", ""]
+    if described is None or not described.config_groups:
+        return lines
+    lines += ["| group | modules | weights | activations at run time | stored as |", "|---|---|---|---|---|"]
+    for name, scheme in described.config_groups.items():
+        weights, activations = scheme_words(scheme)
+        targets = ", ".join(t for t in scheme.targets if len(t) <= 80) or f"{len(scheme.targets)} patterns"
+        lines.append(f"| {markdown_cell(name)} | {markdown_cell(targets)} | {weights} | {activations} | "
+                     f"`{scheme.format or described.format}` |")
+    kv = "FP8 e4m3, calibrated per layer" if config.quantization.kv_cache_scheme else "the model's dtype (BF16)"
+    kept = markdown_cell(", ".join(described.ignore or [])) or "-"
+    lines += ["", f"KV cache: {kv}. Left in the model's dtype: {kept}.", ""]
+    return lines
 
 
 def _kv_scale_section(dst: Path, config: ModelConfig) -> list[str]:

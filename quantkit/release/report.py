@@ -53,6 +53,23 @@ def _lengths(ax, c) -> None:
     ax.legend(fontsize=8)
 
 
+# what each column of the task table means, on the page beside it (a reader of the report has only the page)
+COLUMNS = [
+    "n: the items both models answered, paired item by item.",
+    "baseline, candidate: each model's score on those items, in percent.",
+    "delta: candidate minus baseline, in points (negative: the candidate lost items).",
+    "interval: where the true delta lies at the stated confidence (Tango's score interval for paired outcomes); the "
+    "candidate passes when its low end is above minus the margin.",
+    "margin: the loss in points the suite accepts for this task.",
+    "verdict: pass, FAIL, or continue (a sequential look that has not decided yet).",
+    "flips: the share of items one model answers right and the other wrong, in either direction; more flips make "
+    "the interval wider for the same delta.",
+    "certifiable margin: the smallest margin these n items could certify if the candidate flipped this share of items "
+    "with no loss on balance (true delta 0); in brackets, the items that would certify the suite's margin at this "
+    "flip rate. A margin smaller than the certifiable one cannot pass on these items, whatever the candidate.",
+]
+
+
 def _blocks(report) -> list[tuple]:
     """The report as blocks both renderings share: ("h1"|"h2"|"p", text), ("table", headers, rows), ("ul", items).
     Text from the runs (paths, differences) is made visible here; each renderer escapes for its own format."""
@@ -79,6 +96,7 @@ def _blocks(report) -> list[tuple]:
                      f"{t.certifiable_margin:.2f} ({t.items_for_margin:,} items for {t.margin:g})"])
     blocks.append(("table", ["task", "n", "baseline", "candidate", "delta", "interval", "margin", "verdict", "flips",
                              "certifiable margin"], rows))
+    blocks.append(("ul", COLUMNS))
     items = [f"{t.task}: {t.note}" for t in report.tasks if t.note]
     items += [f"{t.task}: {s.name} {s.estimate:+.3f}{'' if s.low is None else f' [{s.low:+.3f}, {s.high:+.3f}]'} "
               f"{s.unit}" for t in report.tasks for s in t.signals]

@@ -71,7 +71,7 @@ def numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked: 
                 continue
             source_weight = src.tensors.get(f"{module}.weight")
             was_fp8 = source_weight is not None and source_weight.dtype.startswith("F8")
-            newly_fp8 = dst.tensors[name].dtype.startswith("F8") and not was_fp8
+            newly_fp8 = dst.tensors[name].dtype.startswith("F8") and (not was_fp8 or _rescaled(src, dst, module))
             quantized = name.endswith("weight_packed") or newly_fp8
             error = tensor_error(name, a, b)
             rel, snr = error.relative_error, error.snr_db
@@ -84,3 +84,14 @@ def numbers(src: Checkpoint, dst: Checkpoint, findings: list[Finding], checked: 
                                         f"relative error {rel:.3g}, SNR {snr:.1f} dB: a wrong scale or a scrambled "
                                         f"pack", name, file))
     return sorted(errors, key=lambda e: -e.relative_error)
+
+
+def _scale_shape(ckpt: Checkpoint, module: str) -> tuple[int, ...] | None:
+    name = next((n for n in (f"{module}.weight_scale", f"{module}.weight_scale_inv") if n in ckpt.tensors), None)
+    return tuple(ckpt.tensors[name].shape) if name else None
+
+
+def _rescaled(src: Checkpoint, dst: Checkpoint, module: str) -> bool:
+    """An FP8 weight quantized again in another FP8 scheme (block-FP8 to a scale per row): its own rounding, not a
+    copy of the source's."""
+    return _scale_shape(src, module) != _scale_shape(dst, module)
