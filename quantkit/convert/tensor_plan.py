@@ -364,6 +364,8 @@ def _check_linear(weight: TensorInfo, ckpt: Checkpoint) -> None:
 
 
 def _is_int4_group(scheme: QuantizationScheme) -> bool:
+    """INT4 group or channel weights, their activations left alone (W4A16) or quantized to FP8 per token by the engine
+    at run time (W4A8: the weights are stored the same way)."""
     w = scheme.weights
     return (
         w is not None
@@ -371,8 +373,17 @@ def _is_int4_group(scheme: QuantizationScheme) -> bool:
         and w.num_bits == 4
         and w.strategy in ("group", "channel")
         and not w.actorder
-        and scheme.input_activations is None
+        and (scheme.input_activations is None or is_w4a8(scheme))
     )
+
+
+def is_w4a8(scheme: QuantizationScheme) -> bool:
+    """INT4 weights with FP8 activations quantized dynamically per token (both engines' compressed-tensors W4A8 MoE
+    schemes; docs/formats.md)."""
+    a = scheme.input_activations
+    return (scheme.weights is not None and scheme.weights.type == "int" and scheme.weights.num_bits == 4
+            and a is not None and a.type == "float" and a.num_bits == 8 and a.strategy == "token"
+            and a.dynamic is True and a.symmetric)
 
 
 def _is_fp8_block(scheme: QuantizationScheme) -> bool:

@@ -84,3 +84,33 @@ def engine_rules(name: str) -> EngineRules:
     if name not in KERNEL_RULES:
         raise QuantkitError(f"unknown engine {name!r} (known: {', '.join(KERNEL_RULES)})")
     return KERNEL_RULES[name]
+
+
+@dataclass(frozen=True)
+class W4A8Rules:
+    """What an engine's compressed-tensors W4A8 MoE scheme (INT4 experts, FP8 activations) takes, read in its source."""
+
+    group_size: int  # the one group size the kernel runs
+    multiple: int  # the hidden size and each rank's expert width must be multiples of it
+    needs_linear_target: bool  # a config group must target the class "Linear" (the scheme reads it there)
+    needs_pack_quantized: bool  # the config's own format must be pack-quantized (not mixed-precision)
+    dense: str | None  # why a dense Linear in a W4A8 group does not run, or None where it does
+    source: str
+
+
+W4A8_RULES = {
+    "sglang": W4A8Rules(
+        128, 128, needs_linear_target=True, needs_pack_quantized=True,
+        dense="SGLang 0.5.23 has no dense W4A8 scheme (compressed_tensors.py:862, \"No compressed-tensors compatible "
+              "scheme was found\")",
+        source="SGLang 0.5.23 sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py:453-466 "
+               "(_is_wint4afp8: the config's format pack-quantized), schemes/compressed_tensors_w4a8_fp8_moe.py:87 "
+               "(target_scheme_map[\"Linear\"]), 94-99, 301 (group size 128 hard-coded in the kernel)"),
+    "vllm": W4A8Rules(
+        128, 256, needs_linear_target=False, needs_pack_quantized=False,
+        dense="vLLM 0.33.0 runs a dense W4A8 Linear only on SM90 with its input and output multiples of 128 "
+              "(compressed_tensors.py:647-653, 817-823; kernels/linear/mixed_precision/cutlass.py:31-68)",
+        source="vLLM 0.33.0 vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+               "compressed_tensors_moe_w4a8_fp8.py:47-50 (symmetric, group 128), 69-73 (hidden and per-rank "
+               "intermediate sizes multiples of 256)"),
+}

@@ -32,6 +32,64 @@ def engine_findings(ckpt: Checkpoint, stored: dict[str, Stored], rules: EngineRu
                                  f"in_features {s.in_features} / {tp} = {per_rank:g}, group "
                                  f"{s.group_size}", tensor, where(module)))
     found += _shared_schemes(stored)
+    found += w4a8_findings(ckpt, stored, rules.name, tp)
+    return found
+
+
+def w4a8_size_problem(engine: str, hidden: int, expert_width: int, tp: int) -> str | None:
+    """Why ``engine`` cannot run W4A8 experts of these sizes at tensor-parallel size ``tp``, or None."""
+    from quantkit.engines.kernels import W4A8_RULES
+
+    multiple = W4A8_RULES[engine].multiple
+    per_rank = expert_width / tp
+    if hidden % multiple == 0 and per_rank == int(per_rank) and per_rank % multiple == 0:
+        return None
+    return (f"hidden {hidden}, expert width {expert_width} / {tp} = {per_rank:g}: {engine} cannot run this checkpoint "
+            f"at tp={tp}")
+
+
+def w4a8_findings(ckpt: Checkpoint, stored: dict[str, Stored], engine: str, tp: int) -> list[Finding]:
+    """A W4A8 group (INT4 weights, FP8 activations per token) against the engine's W4A8 MoE scheme: its group size,
+    the sizes each rank gets, where the engine reads the scheme, and no dense Linear in it."""
+    from quantkit.checkpoint.describe import described_by
+    from quantkit.convert.tensor_plan import is_w4a8
+    from quantkit.engines.kernels import W4A8_RULES
+
+    described = described_by(ckpt)
+    rules = W4A8_RULES.get(engine)
+    if described is None or rules is None:
+        return []
+    groups = {name: s for name, s in described.config.config_groups.items() if is_w4a8(s)}
+    if not groups:
+        return []
+    found: list[Finding] = []
+    rule = lambda text: f"{text} ({rules.source})"  # noqa: E731
+    if rules.needs_pack_quantized and ckpt.config.quantization.format != "pack-quantized":
+        found.append(Finding("engine", rule("the config's format is pack-quantized for the W4A8 MoE scheme"),
+                             f"format {ckpt.config.quantization.format}: the engine takes another path and fails"))
+    if rules.needs_linear_target and not any("Linear" in s.targets for s in groups.values()):
+        found.append(Finding("engine", rule("a W4A8 group targets the class Linear"),
+                             "no group targets Linear: the engine fails loading the MoE scheme (KeyError: 'Linear')"))
+    for name, s in groups.items():
+        w = s.weights
+        assert w is not None  # is_w4a8
+        if w.group_size != rules.group_size or not w.symmetric:
+            found.append(Finding("engine", rule(f"W4A8 weights symmetric, group {rules.group_size}"),
+                                 f"group {name}: {'symmetric' if w.symmetric else 'asymmetric'}, group "
+                                 f"{w.group_size}"))
+    hidden, inter = ckpt.config.hidden_size, ckpt.config.moe_intermediate_size
+    problem = w4a8_size_problem(engine, hidden, inter, tp) if hidden and inter else None
+    if problem:
+        found.append(Finding("engine", rule(f"tp={tp}: the hidden size and each rank's expert width are multiples of "
+                                            f"{rules.multiple}"), problem))
+    def w4a8(module: str) -> bool:
+        match = described.scheme_for(module, True)
+        return match is not None and is_w4a8(match[1])
+
+    dense = sorted(m for m, st in stored.items() if st.kind == "int4" and not EXPERT.match(m) and w4a8(m))
+    if dense and rules.dense:
+        found.append(Finding("engine", rule("no dense Linear in a W4A8 group"), f"{len(dense)} dense Linear(s) "
+                             f"stored W4A8: {rules.dense}", f"{dense[0]}.weight_packed"))
     return found
 
 
