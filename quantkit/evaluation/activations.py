@@ -22,11 +22,11 @@ from quantkit.formats.fp8_block import FP8_MAX
 
 def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
     """``x`` quantized to FP8 e4m3 per token (the last dimension) and back, in ``x``'s dtype."""
-    values = x.float()
-    scale = values.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
-    q = (values * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    values = x.float()  # no copy when x is FP32, as on a CPU without BF16
+    scale = values.abs().amax(dim=-1, keepdim=True).div_(FP8_MAX)
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), scale.reciprocal())
+    q = (values * inverse).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.to(torch.float32).mul_(scale).to(x.dtype)
 
 
 def dynamic_token_fp8(scheme) -> bool:
@@ -42,15 +42,23 @@ def activation_hooks(model: torch.nn.Module, ckpt) -> Iterator[int]:
 
     described = described_by(ckpt)
     handles = []
+    last: list = [None, None]  # the last input quantized and its result: q/k/v and gate/up share their input
+
+    def quantize_first(_module, args):
+        if args[0] is not last[0]:
+            last[:] = [args[0], fake_quantize_per_token(args[0])]
+        return (last[1], *args[1:])
+
     if described is not None:
         for name, module in model.named_modules():
             target = _checkpoint_module(name, module)
             match = described.scheme_for(target, True) if target else None
             if match is not None and dynamic_token_fp8(match[1]):
-                handles.append(module.register_forward_pre_hook(_quantize_first))
+                handles.append(module.register_forward_pre_hook(quantize_first))
     try:
         yield len(handles)
     finally:
+        last[:] = [None, None]
         for handle in handles:
             handle.remove()
 
@@ -64,6 +72,3 @@ def _checkpoint_module(name: str, module: torch.nn.Module) -> str | None:
         return f"{name}.0.gate_proj"
     return None
 
-
-def _quantize_first(_module, args):
-    return (fake_quantize_per_token(args[0]), *args[1:])
