@@ -10,6 +10,7 @@ from helpers import add_word_tokenizer
 from quantkit.convert import convert
 from quantkit.evaluation import evaluate
 from quantkit.evaluation.run_dir import seeded_order
+from quantkit.examples.synthetic import build_synthetic
 from quantkit.examples.demo import DATA
 from quantkit.release import release
 from quantkit.release.gate import gate
@@ -62,3 +63,24 @@ def test_release_evaluates_the_candidate_one_look_at_a_time(setup, tmp_path):
     verdict = json.loads((tmp_path / "release-work" / "gate" / "verdict.json").read_text())
     assert verdict["sequential"]["look"] == 1 and verdict["passed"]
     assert "not evaluated" in (tmp_path / "release-work" / "gate" / "report.md").read_text()
+
+
+def test_a_task_the_suite_does_not_gate_is_evaluated_whole_at_the_first_look(setup, tmp_path):
+    """Generation runs to a batch's longest answer: a task evaluated at every look pays for a runaway answer in each
+    of its small batches (the demo's GSM8K, three 256-token runs instead of one). Ungated, it needs no looks."""
+    _, _, data = setup
+    base = add_word_tokenizer(build_synthetic("llama", tmp_path / "base", seed=1, fp8=False,
+                                              max_position_embeddings=1024))  # GSM8K's prompts are long
+    gsm8k = tmp_path / "data" / "gsm8k"
+    gsm8k.mkdir(parents=True)
+    (gsm8k / "test.jsonl").write_text("".join((DATA / "gsm8k" / "test.jsonl").read_text().splitlines(True)[:4]))
+    shutil.copytree(data / "arc_easy", tmp_path / "data" / "arc_easy")
+    (tmp_path / "suite.yaml").write_text("sequential: {looks: [0.25, 0.5, 1.0]}\ntasks:\n  arc_easy: {margin: 100}\n")
+    config = {"source": str(base), "recipe": "dense-w4a16-g128", "convert": {"device": "cpu"},
+              "verify": {"smoke": False}, "suite": "suite.yaml", "publish": {"repo": "file://published"},
+              "eval": {"tasks": ["arc_easy", "gsm8k"], "data_dir": str(tmp_path / "data"), "device": "cpu"}}
+    (tmp_path / "release.yaml").write_text(json.dumps(config))
+    result = release(tmp_path / "release.yaml")
+    assert {r.stage: r.summary for r in result.stages}["eval-candidate"].startswith("look 1 of 3")
+    scores = json.loads((tmp_path / "release-work" / "runs" / "candidate" / "results.json").read_text())
+    assert scores["arc_easy"]["n"] == 30 and scores["gsm8k"]["n"] == 4

@@ -52,7 +52,7 @@ def evaluate(
     settings: EvalSettings | None = None,
     out: str | os.PathLike | None = None,
     order: str = "file",
-    fraction: float | None = None,
+    fraction: float | dict[str, float] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     on_launch: Callable[[list[str]], None] | None = None,
     **options,
@@ -71,7 +71,8 @@ def evaluate(
     ``repeat=2`` runs everything again into RUN_DIR/repeat-2 with a request cache of its own: the engine's
     run-to-run noise, which ``gate`` uses as its floor. RUN_DIR is locked while the run writes into it.
     ``order="seeded"`` evaluates each task's items in a fixed seeded order and ``fraction`` the first share of them
-    (a look of a sequential gate: a later, larger look answers the earlier items from the request cache).
+    (a look of a sequential gate: a later, larger look answers the earlier items from the request cache); a mapping
+    gives each task its own share, a task it does not name all of its items.
     """
     from quantkit.calibration_data import model_tokenizer
 
@@ -110,7 +111,7 @@ def _settings(settings: EvalSettings | None, options: dict) -> EvalSettings:
         raise QuantkitError(f"eval settings: {field_error(exc)}") from exc
 
 
-def _check(s: EvalSettings, order: str, fraction: float | None) -> None:
+def _check(s: EvalSettings, order: str, fraction: float | dict[str, float] | None) -> None:
     if s.engine not in ENGINES:
         raise QuantkitError(f"unknown engine {s.engine!r} (known: {', '.join(ENGINES)})")
     for task in s.tasks or []:
@@ -122,5 +123,6 @@ def _check(s: EvalSettings, order: str, fraction: float | None) -> None:
         raise QuantkitError("--kv-cache-dtype must be auto or fp8_e4m3")
     if order not in ("file", "seeded"):
         raise QuantkitError(f"--order must be file or seeded, not {order!r}")
-    if fraction is not None and not (0 < fraction <= 1 and order == "seeded" and s.limit is None):
+    shares = list(fraction.values()) if isinstance(fraction, dict) else [] if fraction is None else [fraction]
+    if shares and not (all(0 < f <= 1 for f in shares) and order == "seeded" and s.limit is None):
         raise QuantkitError("--fraction takes a share of the items in (0, 1], with --order seeded and no --limit")

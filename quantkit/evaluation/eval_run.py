@@ -19,7 +19,7 @@ class EvalRun:
     settings: EvalSettings
     tasks: list[str]
     order: Order = "file"
-    fraction: float | None = None
+    fraction: float | dict[str, float] | None = None  # per task, for a sequential gate's looks
     on_progress: Callable[[str, int, int], None] | None = None
     on_launch: Callable[[list[str]], None] | None = None
     device: str | None = None  # hf: the device the model runs on

@@ -165,16 +165,21 @@ def task_configs(tasks: list[str], data_dir: str | os.PathLike | None, model: Pa
     return configs
 
 
-def task_limits(configs: dict[str, TaskConfig], limit: int | None, fraction: float | None) -> dict[str, int | None]:
-    """Items each task evaluates: the first ``limit``, or the first ``fraction`` of its items (rounded up), or all."""
+Fraction = float | dict[str, float] | None  # a share of every task's items, or one per task (others: all)
+
+
+def task_limits(configs: dict[str, TaskConfig], limit: int | None, fraction: Fraction) -> dict[str, int | None]:
+    """Items each task evaluates: the first ``limit``, or the first ``fraction`` of its items (rounded up; a mapping
+    gives each task its own, a task it does not name all), or all."""
     if fraction is None:
         return {t: limit for t in configs}
-    return {t: None if c.items is None or fraction >= 1 else max(1, math.ceil(fraction * c.items))
+    share = {t: fraction.get(t, 1.0) if isinstance(fraction, dict) else fraction for t in configs}
+    return {t: None if c.items is None or share[t] >= 1 else max(1, math.ceil(share[t] * c.items))
             for t, c in configs.items()}
 
 
 def task_identities(configs: dict[str, TaskConfig], limit: int | None,
-                    fraction: float | None = None) -> dict[str, TaskIdentity]:
+                    fraction: Fraction = None) -> dict[str, TaskIdentity]:
     """What names each task of a run in its provenance: config hash (YAML + data sha256), shots, limit, items scored,
     their order, how many the data holds, and the cluster key its records carry."""
     limits = task_limits(configs, limit, fraction)

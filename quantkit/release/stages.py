@@ -92,7 +92,8 @@ class Chain:
             repo = "file://" + str(self.path(repo.removeprefix("file://")))
         return repo, repo.removeprefix("file://")
 
-    def evaluate(self, model: Path, out: Path, kv: str, repeat: int = 1, fraction: float | None = None):
+    def evaluate(self, model: Path, out: Path, kv: str, repeat: int = 1,
+                 fraction: float | dict[str, float] | None = None):
         from quantkit.evaluation import evaluate
 
         ev = self.config.eval
@@ -201,11 +202,14 @@ def _eval_candidate(chain: Chain) -> Outcome:
     looks = chain.gate_suite.sequential
     if looks is None:
         return _scores(chain.evaluate(chain.model, chain.candidate_run, chain.candidate_kv).scores)
-    # sequential: the candidate's items in the seeded order, one look at a time, until the gate decides; each
-    # look answers the earlier looks' items from the run's request cache
+    # sequential: the candidate's gated tasks in the seeded order, one look at a time, until the gate decides; each
+    # look answers the earlier looks' items from the run's request cache. A task the suite does not gate is
+    # evaluated whole at the first look (the rest answer it from the cache): generation runs to its longest answer
+    # per batch, and three small batches of GSM8K cost the demo three 256-token runaways instead of one
     for at in range(1, len(looks.looks) + 1):
         fraction = looks.looks[at - 1]
-        done = chain.evaluate(chain.model, chain.candidate_run, chain.candidate_kv, fraction=fraction)
+        shares = {task: fraction for task in chain.gate_suite.tasks}
+        done = chain.evaluate(chain.model, chain.candidate_run, chain.candidate_kv, fraction=shares)
         decision = gate(chain.baseline_run, chain.candidate_run, suite=chain.gate_suite).decision
         if decision != "continue":
             break
