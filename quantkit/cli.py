@@ -572,7 +572,7 @@ def release_cmd(
 def demo_cmd(
     workdir: Annotated[Path, typer.Option(help="Where everything goes (a re-run resumes).")] = Path("quantkit-demo"),
     arc_items: Annotated[int, typer.Option(min=1, help="ARC-Easy test items (the first N).")] = 500,
-    gsm8k_items: Annotated[int, typer.Option(min=1, help="GSM8K test items (the first N; evaluated, not gated).")] = 16,
+    gsm8k_items: Annotated[int, typer.Option(min=1, help="GSM8K test items (the first N; evaluated, not gated).")] = 8,
     source_model: Annotated[Optional[Path], typer.Option(help="A local BF16 SmolLM2-135M-Instruct instead of "
                                                               "fetching it.")] = None,
     json_out: JsonOpt = False,

@@ -90,7 +90,7 @@ def demo(
     workdir: str | os.PathLike = "quantkit-demo",
     *,
     arc_items: int = 500,
-    gsm8k_items: int = 16,
+    gsm8k_items: int = 8,
     source_model: str | os.PathLike | None = None,
     on_stage: Callable[[str, StageRecord], None] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
