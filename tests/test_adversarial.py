@@ -336,7 +336,9 @@ def test_version_and_the_demos_help_say_what_is_true():
     from quantkit.examples.demo import CANDIDATES
 
     r = quantkit("demo", "--help")
-    assert "Three gated releases" in " ".join(r.output.split()) and len(CANDIDATES) == 3
+    said = " ".join(r.output.split())
+    assert "two pools" in said and len(CANDIDATES) == 2
+    assert all(f"{c.pool} (" in said for c in CANDIDATES.values()), said
 
 
 def test_eval_and_gptq_print_nothing_from_libraries(synthetic, tmp_path):
