@@ -351,6 +351,8 @@ def plan_cmd(
     deploy: Annotated[bool, typer.Option("--deploy", help="Plan the prefill (source, BF16 KV) and decode (INT4, FP8 "
                                                           "KV) pools.")] = False,
     chart: Annotated[Path, typer.Option(help="Where --deploy writes its PNG chart.")] = Path("plan-memory.png"),
+    prefill_recipe: Annotated[Optional[str], typer.Option(help="With --deploy: the prefill pool serves this recipe's "
+                                                               "output instead of the source as released.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Size the conversion and the deployment: bytes by component, per-GPU memory, KV capacity."""
@@ -358,7 +360,7 @@ def plan_cmd(
 
     report = plan(src, recipe=recipe, tp=tp, gpu=gpu, gpu_mem_gib=gpu_mem_gib, kv_dtype=kv_dtype,
                   mem_fraction=mem_fraction, context_len=context_len, page_size=page_size,
-                  max_shard_size=max_shard_size, deploy=deploy, chart=chart)
+                  max_shard_size=max_shard_size, deploy=deploy, chart=chart, prefill_recipe=prefill_recipe)
     if json_out:
         _emit_json(report)
         return
@@ -556,7 +558,7 @@ def release_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """plan -> convert -> calibrate-kv -> verify -> eval baseline -> eval candidate -> gate -> publish."""
-    from quantkit.release import release
+    from quantkit.release import ReleaseResult, release
 
     with _items_progress(enabled=not json_out and err.is_terminal) as on_progress:
         result = release(config, resume=resume, on_stage=None if json_out else _print_stage, on_progress=on_progress,
@@ -564,8 +566,20 @@ def release_cmd(
     if json_out:
         _emit_json(result)
         return
-    out.print(result.gate_table, markup=False, highlight=False)
-    out.print(f"[green]released[/]: {_t(result.published)}; report {_t(result.report)}")
+    if isinstance(result, ReleaseResult):
+        out.print(result.gate_table, markup=False, highlight=False)
+        out.print(f"[green]released[/]: {_t(result.published)}; report {_t(result.report)}")
+        return
+    for p in result.pools:
+        if p.release is not None:
+            out.print(f"\n[bold]{p.name}[/] ({_t(p.recipe)})", highlight=False)
+            out.print(p.release.gate_table, markup=False, highlight=False)
+        else:
+            out.print(f"\n[bold]{p.name}[/]: the source as released, {_t(p.model)} (the baseline itself)",
+                      highlight=False)
+        if p.published:
+            out.print(f"[green]released[/]: {_t(p.published)}", highlight=False)
+    out.print(f"both pools sized for the deployment in {_t(result.plan)}; the pools' card: {_t(result.card)}")
 
 
 @command("demo")
@@ -607,7 +621,8 @@ def demo_cmd(
 def _print_stage(record) -> None:
     mark = {"ran": "[green]done[/]", "resumed": "[cyan]done earlier[/]", "reused": "[cyan]reused[/]",
             "skipped": "[yellow]skipped[/]"}[str(record.status)]
-    out.print(f"{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {_t(record.summary)}", highlight=False)
+    pool = f"{record.pool:>7} " if record.pool else ""
+    out.print(f"{pool}{record.stage:>15}  {mark}  {record.seconds:6.1f}s  {_t(record.summary)}", highlight=False)
 
 
 @command("synth")

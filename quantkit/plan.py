@@ -92,10 +92,13 @@ def plan(
     deploy: bool = False,
     chart: str | os.PathLike | None = None,
     dst_hint: str = "DST",
+    prefill_recipe: str | None = None,
+    prefill_hint: str = "PREFILL_DST",
+    decode_kv_dtype: str = "fp8_e4m3",
 ) -> PlanReport:
     """What SRC is and what RECIPE makes of it, from headers (or config.json alone): bytes per component now and
-    after, and the KV-cache tokens and concurrent requests each GPU holds at ``tp``; ``deploy``: the prefill and
-    decode pools with their launch commands and a memory chart."""
+    after, and the KV tokens and concurrent requests each GPU holds at ``tp``; ``deploy``: the prefill pool (SRC, or
+    ``prefill_recipe``'s output; BF16 KV) and the decode pool (RECIPE's; ``decode_kv_dtype`` KV), and a chart."""
     from quantkit.checkpoint.reader import open_checkpoint
 
     if kv_dtype not in KV_BYTES:
@@ -142,13 +145,16 @@ def plan(
     if deploy:
         if not recipe:
             raise QuantkitError("--deploy needs --recipe: the decode pool serves the converted checkpoint")
+        if decode_kv_dtype not in KV_BYTES:
+            raise QuantkitError(f"the decode pool's KV dtype must be one of {', '.join(KV_BYTES)}")
         check_chart_path(Path(chart or "plan-memory.png"))
-        report.pools = [
-            _pool("prefill", str(root), "bf16", now, config, family, tp, gpu_bytes, mem_fraction, context_len,
-                  page_size),
-            _pool("decode", dst_hint, "fp8_e4m3", after, config, family, tp, gpu_bytes, mem_fraction, context_len,
-                  page_size),
-        ]
+        prefill, prefill_at = now, str(root)
+        if prefill_recipe:
+            prefill_sizes = {name: ComponentSize() for name in COMPONENTS}
+            _sizes_after(ckpt, prefill_recipe, max_shard_size, prefill_sizes, component_of)
+            prefill, prefill_at = {k: v.bytes_after for k, v in prefill_sizes.items()}, prefill_hint
+        report.pools = [_pool(report, "prefill", prefill_at, "bf16", prefill, config, family),
+                        _pool(report, "decode", dst_hint, decode_kv_dtype, after, config, family)]
         report.chart = str(memory_chart(report, Path(chart or "plan-memory.png")))
     return report
 
@@ -235,7 +241,10 @@ def kv_tokens(gpu_bytes: int, mem_fraction: float, weights: int, kv_per_token: i
     return int(free // kv_per_token) // page_size * page_size
 
 
-def _pool(role, checkpoint, kv_dtype, component_bytes, config, family, tp, gpu_bytes, frac, ctx, page) -> PoolPlan:
+def _pool(report: PlanReport, role, checkpoint, kv_dtype, component_bytes, config, family) -> PoolPlan:
+    """One pool serving ``checkpoint`` (its components' bytes) with a ``kv_dtype`` KV cache, on the report's GPUs."""
+    tp, gpu_bytes, frac, ctx, page = (report.tp, report.gpu_bytes, report.mem_fraction, report.context_len,
+                                      report.page_size)
     weights = weights_per_gpu(component_bytes, tp)
     kv = kv_bytes_per_token(config, family, tp, KV_BYTES[kv_dtype])
     tokens = kv_tokens(gpu_bytes, frac, weights, kv, page)

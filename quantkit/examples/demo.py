@@ -137,6 +137,7 @@ def demo(
         gate_dir = work / f"release-{name}" / "gate"
         try:
             done = release(path, resume=state.is_file(), on_stage=stage_hook, on_progress=on_progress)
+            assert isinstance(done, ReleaseResult)  # each of the demo's configs names one recipe
             result.releases.append(DemoRelease(name, recipe, str(path), True, done.published, None, done.gate_table,
                                                done.report, done))
         except ReleaseStopped as exc:

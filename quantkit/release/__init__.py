@@ -8,59 +8,22 @@ the config sections it depends on (its own and every earlier stage's) and the fi
 left them, so fixing a later stage's settings re-runs only from there, and a deleted or edited output
 runs its stage again. WORK is locked while a release runs in it. A baseline
 run already on disk with the same shards, tasks and engine settings is reused without serving
-the source again. A failure stops the chain with the stage, the cause and the command to resume.
+the source again. A failure stops the chain with the stage, the cause and the command to resume (release/chain.py).
+A config with ``pools:`` releases the recipe's prefill and decode artifacts together (release/pools.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
+from quantkit.release.chain import STAGES, ReleaseResult, ReleaseStopped, StageRecord, StageStatus, release_one
+from quantkit.release.config import PoolsConfig, ReleaseConfig, load_config
+from quantkit.release.pools import PoolsResult, release_pools
 
-from quantkit.checkpoint.writer import folder_lock, sha256_file, work_folder, write_error
-from quantkit.errors import QuantkitError
-from quantkit.release.config import ReleaseConfig, load_config
-from quantkit.release.stages import STAGES as _STAGES
-from quantkit.release.stages import Chain, Stage, StageStatus
-from quantkit.release.state import STATE_NAME, ReleaseState, StageState, load_state
-from quantkit.release.suite import Suite
-
-__all__ = ["STAGES", "ReleaseConfig", "ReleaseResult", "ReleaseStopped", "StageRecord", "StageStatus", "load_config",
-           "release"]
-
-STAGES = tuple(s.name for s in _STAGES)
-
-
-@dataclass
-class StageRecord:
-    stage: str
-    status: StageStatus
-    seconds: float = 0.0
-    summary: str = ""
-
-
-@dataclass
-class ReleaseResult:
-    config: str
-    work_dir: str
-    stages: list[StageRecord] = field(default_factory=list)
-    verdict: str | None = None
-    report: str | None = None
-    published: str | None = None
-    gate_table: str = ""
-
-
-class ReleaseStopped(QuantkitError):
-    def __init__(self, stage: str, cause: str, config: Path):
-        self.stage, self.cause = stage, cause
-        super().__init__(f"release stopped at stage {stage}: {cause}; "
-                         f"after fixing it, resume with: quantkit release {config} --resume")
+__all__ = ["STAGES", "PoolsResult", "ReleaseConfig", "ReleaseResult", "ReleaseStopped", "StageRecord", "StageStatus",
+           "load_config", "release"]
 
 
 def release(
@@ -71,90 +34,14 @@ def release(
     api=None,
     on_progress: Callable[[str, int, int], None] | None = None,
     on_launch: Callable[[list[str]], None] | None = None,
-) -> ReleaseResult:
+) -> ReleaseResult | PoolsResult:
     """Run CONFIG's chain; ``on_stage`` after each stage, ``on_progress(task, done, total)`` during evals,
-    ``on_launch(argv)`` before the config's engine command runs (it is executable configuration)."""
+    ``on_launch(argv)`` before the config's engine command runs (it is executable configuration). A config with
+    ``pools:`` releases the recipe's prefill and decode artifacts together (release/pools.py)."""
     config_path = Path(config_path).resolve()
     config = load_config(config_path)
-    chain = Chain(config, config_path, Path(), ReleaseState(), api, on_progress, on_launch)
-    _suite_tasks_evaluated(config, chain.gate_suite, config_path)
-    work = chain.resolve(config.work_dir) or config_path.parent / f"{config_path.stem}-work"
-    if load_state(work / STATE_NAME) and not resume:
-        raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
-    try:
-        work.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise write_error(work, exc) from exc
-    with folder_lock(work):  # read again under the lock: the state another process left, not a stale copy
-        chain.work, chain.state = work, load_state(work / STATE_NAME) or ReleaseState()
-        return _run_chain(chain, on_stage)
-
-
-def _suite_tasks_evaluated(config: ReleaseConfig, suite: Suite, config_path: Path) -> None:
-    """The gate compares what eval ran: a suite task missing from eval.tasks is refused before hours of serving."""
-    missing = [t for t in suite.tasks if t not in (config.eval.tasks or [])]
-    if missing:
-        raise QuantkitError(f"the suite gates {', '.join(missing)}, which eval.tasks does not run", config_path)
-
-
-def _run_chain(chain: Chain, on_stage: Callable[[StageRecord], None] | None) -> ReleaseResult:
-    """The stages in WORK, which the caller holds locked: each one resumed when its fingerprint and files are as it
-    left them, else run (and every later stage's record dropped)."""
-    for sub in ("model", "runs", "runs/candidate", "gate"):  # quantkit's own sub-folders: never links leading out
-        work_folder(chain.work, sub)
-    if chain.config.eval.baseline_run is None:
-        work_folder(chain.work, "runs/baseline")
-    result = ReleaseResult(str(chain.config_path), str(chain.work))
-    state = chain.state
-    fingerprint = hashlib.sha256()
-    for index, stage in enumerate(_STAGES):
-        try:  # reading what the stage reads (the source's headers) can fail as the stage itself would
-            digest = _fingerprint(fingerprint, chain, stage)
-        except QuantkitError as exc:
-            raise ReleaseStopped(stage.name, str(exc), chain.config_path) from exc
-        done = state.stages.get(stage.name)
-        changed = state.changed_output(stage.name) if done and done.fingerprint == digest else None
-        if done and done.fingerprint == digest and changed is None:
-            record = StageRecord(stage.name, StageStatus.RESUMED, done.seconds, done.summary)
-        else:
-            record = _run_stage(chain, stage, changed)
-            state.forget_from(STAGES[index:])  # this stage's old result, and every later stage built on it, are stale
-            files, known = stage.outputs(chain) if record.status != StageStatus.SKIPPED else ([], {})
-            state.stages[stage.name] = StageState(fingerprint=digest, seconds=record.seconds, summary=record.summary,
-                                                  outputs=state.record(files, known))
-            state.save(chain.work / STATE_NAME)
-        result.stages.append(record)
-        if on_stage is not None:
-            on_stage(record)
-    result.published = chain.publish_target[1]  # every stage, publish included, is done and its files are in place
-    if (chain.gate_dir / "report.md").is_file():
-        result.gate_table = chain.gate_table or (chain.gate_dir / "report.md").read_text()
-        result.verdict, result.report = str(chain.gate_dir / "verdict.json"), str(chain.gate_dir / "report.html")
-    return result
-
-
-def _fingerprint(running, chain: Chain, stage: Stage) -> str:
-    """The stage's inputs added to the running hash of every earlier stage's: its config sections, and the files
-    it reads by content (an edited recipe or suite re-runs its stage)."""
-    sections = {name: getattr(chain.config, name) for name in stage.sections}
-    running.update(json.dumps({k: v.model_dump() if isinstance(v, BaseModel) else v
-                               for k, v in sections.items()}, sort_keys=True).encode())
-    for path in stage.files(chain):
-        running.update(f"{path.name}:{sha256_file(path) if path.is_file() else 'missing'}".encode())
-    for identity in stage.identity(chain):
-        running.update(identity.encode())
-    return running.hexdigest()
-
-
-def _run_stage(chain: Chain, stage: Stage, changed: str | None) -> StageRecord:
-    started = time.perf_counter()
-    try:
-        outcome = stage.run(chain)
-    except QuantkitError as exc:
-        raise ReleaseStopped(stage.name, str(exc), chain.config_path) from exc
-    status, summary = outcome if isinstance(outcome, tuple) else (StageStatus.RAN, outcome)
-    if summary is None:
-        status, summary = StageStatus.SKIPPED, "not configured"
-    if changed is not None:
-        summary += f" (run again: {changed})"
-    return StageRecord(stage.name, status, round(time.perf_counter() - started, 1), summary)
+    if isinstance(config, PoolsConfig):
+        return release_pools(config, config_path, resume=resume, on_stage=on_stage, api=api, on_progress=on_progress,
+                             on_launch=on_launch)
+    return release_one(config, config_path, resume=resume, on_stage=on_stage, api=api, on_progress=on_progress,
+                       on_launch=on_launch)

@@ -121,7 +121,8 @@ def serving_tp(total_bytes: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str | None = None) -> str:
+def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str | None = None,
+               pools: list[str] | None = None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
     from quantkit.checkpoint.inspection import inspect_checkpoint
@@ -166,6 +167,7 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     lines += [f"{described} ([compressed-tensors](https://github.com/vllm-project/compressed-tensors)) conversion of "
               f"{markdown_code(origin)} made with quantkit {quantkit.__version__}, recipe {markdown_code(recipe)}"
               + (", with calibrated FP8 (e4m3) KV-cache scales." if fp8_kv else "."), ""]
+    lines += pools or []
     lines += _formats_section(config)
     lines += _gate_section(verdict)
     tp = serving_tp(after.total_bytes)
@@ -187,6 +189,43 @@ def model_card(dst: Path, repo: str, verdict: GateReport | None, base_model: str
     lines.append("")
     lines += _provenance_section(manifest, verdict)
     return "\n".join(lines) + "\n"
+
+
+def pools_section(pools: list, verdicts: dict[str, GateReport | None]) -> list[str]:
+    """The deployment's pools, the same on every pool's card: what each serves, in which formats, with which KV
+    cache, and its gate (``pools``: release/pools.py's PoolResult, prefill first)."""
+    from quantkit.checkpoint.inspection import inspect_checkpoint
+    from quantkit.checkpoint.reader import read_config
+
+    lines = ["## The deployment's two pools", "",
+             "Prefill and decode run in separate GPU pools, each serving its own artifact of the same source; both "
+             "were made by quantkit " + quantkit.__version__ + " and each gated against the same run of the source.",
+             "", "| pool | serve | weights | activations at run time | KV cache | bytes | gate |",
+             "|---|---|---|---|---|---|---|"]
+    for p in pools:
+        model = Path(p.model)
+        weights, activations = _artifact_words(read_config(model))
+        kv = "FP8 e4m3, calibrated" if p.kv_cache_dtype.startswith("fp8") else "BF16"
+        verdict = verdicts.get(p.name)
+        gate = ("pass: " + ", ".join(f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}]" for t in verdict.tasks)
+                if verdict else "none: the source as released is the baseline itself")
+        serve = p.published if p.published else str(model)
+        lines.append(f"| {p.name} | {markdown_code(visible(serve))} | {markdown_cell(weights)} | "
+                     f"{markdown_cell(activations)} | {kv} | {inspect_checkpoint(model).total_bytes / 1e9:.3f} GB | "
+                     f"{markdown_cell(gate)} |")
+    return lines + ["", "Gate: the change in each task's score against the source, with its 95 % interval (a pool "
+                    "passes when the interval's lower end is above minus the task's margin).", ""]
+
+
+def _artifact_words(config: ModelConfig) -> tuple[str, str]:
+    """What one artifact stores and runs, its config groups' words joined (a source as released: its own method)."""
+    described = config.quantization.compressed()
+    if described is None or not described.config_groups:
+        q = config.quantization  # block-FP8 kernels quantize each input per token in groups of 128 (docs/verify.md)
+        return (f"as released ({q.describe()})",
+                "FP8 dynamic per token, in groups of 128" if q.fp8_release else "model dtype")
+    words = [scheme_words(s) for s in described.config_groups.values()]
+    return ("; ".join(dict.fromkeys(w for w, _ in words)), "; ".join(dict.fromkeys(a for _, a in words)))
 
 
 def _formats_section(config: ModelConfig) -> list[str]:

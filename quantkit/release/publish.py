@@ -56,11 +56,13 @@ def publish(
     force_ungated: bool = False,
     base_model: str | None = None,
     api=None,
+    pools: list[str] | None = None,
 ) -> PublishResult:
     """Check the gate against DST, write the card, upload. ``api``: an ``HfApi`` (tests pass a recorder).
 
     :param repo: ``ORG/NAME`` on the hub, or ``file://DIR`` for a new or empty local folder.
     :param gate: the passing verdict.json whose checksums must equal every file DST ships now.
+    :param pools: the card's section on the deployment's pools, when DST is one of them (release/pools.py).
     """
     from quantkit.release.card import model_card
 
@@ -79,7 +81,7 @@ def publish(
     if target is not None:  # first: a target full of other files is refused before any hashing or card work
         _check_target_contents(target, {f["name"] for f in shipped} | {CARD_NAME})
     verdict = check_gate(dst, gate, force_ungated)
-    card = model_card(dst, repo, verdict, base_model)
+    card = model_card(dst, repo, verdict, base_model, pools)
     # The card as it will be written, whatever README.md DST holds now (a dry run writes nothing).
     files = sorted(shipped + [{"name": CARD_NAME, "bytes": len(card.encode())}], key=lambda f: f["name"])
     result = PublishResult(repo, "hub", revision or "main", verdict is not None, dry_run, files, card)

@@ -85,8 +85,11 @@ class Chain:
         return load_suite(self.suite, self.config.margin)
 
     @property
-    def publish_target(self) -> tuple[str, str]:
-        """The repo publish is given (a file:// target made absolute) and the folder or repo id it names."""
+    def publish_target(self) -> tuple[str, str] | None:
+        """The repo publish is given (a file:// target made absolute) and the folder or repo id it names; None when
+        the release is not published."""
+        if self.config.publish is None:
+            return None
         repo = self.config.publish.repo
         if repo.startswith("file://"):
             repo = "file://" + str(self.path(repo.removeprefix("file://")))
@@ -235,8 +238,10 @@ def _gate(chain: Chain) -> Outcome:
 def _publish(chain: Chain) -> Outcome:
     from quantkit.release.publish import publish
 
-    p = chain.config.publish
-    repo, target = chain.publish_target
+    p, to = chain.config.publish, chain.publish_target
+    if p is None or to is None:
+        return None
+    repo, target = to
     done = publish(chain.model, repo, gate=chain.gate_dir / "verdict.json", private=p.private, revision=p.revision,
                    base_model=p.base_model, api=chain.api)
     chain.published_files[:] = [f["name"] for f in done.files]
@@ -244,6 +249,8 @@ def _publish(chain: Chain) -> Outcome:
 
 
 def _published(chain: Chain) -> tuple[list[Path], dict[str, str]]:
+    if chain.publish_target is None:
+        return [], {}
     repo, target = chain.publish_target
     if not repo.startswith("file://"):  # the hub's copy cannot be checked offline; its upload resumes on its own
         return [], {}
