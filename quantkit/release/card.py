@@ -204,8 +204,9 @@ def pools_section(pools: list, verdicts: dict[str, GateReport | None]) -> list[s
              "|---|---|---|---|---|---|---|"]
     for p in pools:
         model = Path(p.model)
-        weights, activations = _artifact_words(read_config(model))
-        kv = "FP8 e4m3, calibrated" if p.kv_cache_dtype.startswith("fp8") else "BF16"
+        config = read_config(model)
+        weights, activations = _artifact_words(config)
+        kv = "FP8 e4m3, calibrated" if config.quantization.kv_cache_scheme else "BF16"  # as its files say
         verdict = verdicts.get(p.name)
         gate = ("pass: " + ", ".join(f"{t.task} {t.delta:+.2f} [{t.low:+.2f}, {t.high:+.2f}]" for t in verdict.tasks)
                 if verdict else "none: the source as released is the baseline itself")
@@ -241,9 +242,18 @@ def _formats_section(config: ModelConfig) -> list[str]:
         lines.append(f"| {markdown_cell(name)} | {markdown_cell(targets)} | {weights} | {activations} | "
                      f"`{scheme.format or described.format}` |")
     kv = "FP8 e4m3, calibrated per layer" if config.quantization.kv_cache_scheme else "the model's dtype (BF16)"
-    kept = markdown_cell(", ".join(described.ignore or [])) or "-"
+    kept = markdown_cell(", ".join(kept_modules(described.ignore or []))) or "-"
     lines += ["", f"KV cache: {kv}. Left in the model's dtype: {kept}.", ""]
     return lines
+
+
+def kept_modules(names: list[str], shown: int = 12) -> list[str]:
+    """The modules a recipe left alone, as a person reads them: one entry per module of every layer (``layers.*``),
+    the first ``shown`` of them and how many more (a GLM-5 checkpoint leaves thousands of names)."""
+    import re
+
+    entries = list(dict.fromkeys(re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in names))
+    return entries[:shown] + ([f"and {len(entries) - shown} more"] if len(entries) > shown else [])
 
 
 def _kv_scale_section(dst: Path, config: ModelConfig) -> list[str]:
