@@ -103,9 +103,7 @@ def plan(
 
     if kv_dtype not in KV_BYTES:
         raise QuantkitError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}")
-    gpu_bytes = int(gpu_mem_gib * GIB) if gpu_mem_gib else GPUS.get(gpu or "")
-    if not gpu_bytes:
-        raise QuantkitError(f"unknown GPU {gpu!r} (known: {', '.join(GPUS)}); or give --gpu-mem-gib GiB")
+    gpu_bytes = _gpu_bytes(gpu, gpu_mem_gib)
     root = Path(src)
     from_headers = any(root.glob("*.safetensors"))
     ckpt = open_checkpoint(root) if from_headers else virtual_checkpoint(root)
@@ -157,6 +155,15 @@ def plan(
                         _pool(report, "decode", dst_hint, decode_kv_dtype, after, config, family)]
         report.chart = str(memory_chart(report, Path(chart or "plan-memory.png")))
     return report
+
+
+def _gpu_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
+    if gpu_mem_gib is not None and not 0 < gpu_mem_gib < 1 << 20:  # also refuses NaN and infinity
+        raise QuantkitError(f"--gpu-mem-gib must be a GPU's memory in GiB, not {gpu_mem_gib:g}")
+    gpu_bytes = int(gpu_mem_gib * GIB) if gpu_mem_gib else GPUS.get(gpu or "")
+    if not gpu_bytes:
+        raise QuantkitError(f"unknown GPU {gpu!r} (known: {', '.join(GPUS)}); or give --gpu-mem-gib GiB")
+    return gpu_bytes
 
 
 def _sizes_now(ckpt, component_of: _ComponentOf) -> dict[str, ComponentSize]:

@@ -41,6 +41,26 @@ class _BoundedLoader(yaml.SafeLoader):
         return node
 
 
+    def construct_mapping(self, node, deep=False):
+        """A mapping that names a key twice is refused (PyYAML keeps the later value without a word); keys a merge
+        (``<<: *base``) brings in may be overridden, as YAML means them to be."""
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r} (the later value would win without a word)",
+                            key_node.start_mark)
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeConstructor refuses it with its own message
+                    break
+        return super().construct_mapping(node, deep=deep)
+
+
 def _expanded_nodes(node, seen: dict[int, int]) -> int:
     """How many nodes ``node`` is with every alias expanded; each distinct node is sized once (an alias is the
     same node object as its anchor), so this runs in the size of the file, not of the expansion."""
@@ -73,5 +93,10 @@ def load_yaml_with_bytes(path: str | Path, what: str):
         raise QuantkitError(f"cannot read the {what} ({exc.strerror})", path) from exc
     try:
         return yaml.load(text, Loader=_BoundedLoader), text  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:  # where in the file, said once
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = " ".join(str(exc.problem or exc.context or exc).split())[:300]
+        raise QuantkitError(f"invalid YAML{where}: {problem}", path) from exc
     except yaml.YAMLError as exc:
         raise QuantkitError(f"invalid YAML: {' '.join(str(exc).split())[:300]}", path) from exc

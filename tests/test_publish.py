@@ -96,8 +96,13 @@ class RecordingHub:
         self.calls.append(("create_branch", repo_id, kw))
 
     def upload_large_folder(self, repo_id, folder_path, **kw):
-        files = sorted(p.relative_to(folder_path).as_posix() for p in __import__("pathlib").Path(folder_path).rglob("*")
+        """The files huggingface_hub would send: its own filter over the folder, with the patterns given."""
+        from huggingface_hub.utils import filter_repo_objects
+
+        every = sorted(p.relative_to(folder_path).as_posix() for p in __import__("pathlib").Path(folder_path).rglob("*")
                        if p.is_file())
+        files = list(filter_repo_objects(every, allow_patterns=kw.get("allow_patterns"),
+                                         ignore_patterns=kw.get("ignore_patterns")))
         self.calls.append(("upload_large_folder", repo_id, dict(kw, files=files)))
 
 
@@ -138,3 +143,22 @@ def test_dry_run_changes_nothing_and_oversized_files_are_refused(gated, tmp_path
     with pytest.raises(Exception, match="extra.bin: 50.0 GB is over the hub's 50 GB file limit"):
         publish(copy, "org/x", force_ungated=True, dry_run=True)
     os.remove(copy / "extra.bin")
+
+
+def test_the_hub_gets_exactly_the_files_the_gate_bound(gated):
+    dst, verdict = gated
+    (dst / "extra").mkdir()
+    (dst / "extra" / ".hidden").write_text("added after the gate")  # not bound by the gate: skipped as hidden
+    (dst / "[weird]*.json").write_text("{}")  # bound below: a name that is a pattern matches only itself
+    from quantkit.evaluation import model_checksums
+
+    verdict_data = json.loads(verdict.read_text())
+    assert "extra/.hidden" not in model_checksums(dst)
+    hub = RecordingHub()
+    with pytest.raises(PublishRefused, match="was not gated"):
+        publish(dst, "org/glm5-int4", gate=verdict, api=hub)
+    (dst / "[weird]*.json").unlink()
+    result = publish(dst, "org/glm5-int4", gate=verdict, api=hub)
+    uploaded = hub.calls[-1][2]["files"]
+    assert sorted(uploaded) == sorted(f["name"] for f in result.files)
+    assert set(uploaded) == set(verdict_data["candidate_checksums"]) | {"README.md"}  # the bound files and the card

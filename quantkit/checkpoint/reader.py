@@ -149,11 +149,16 @@ def read_config(root: Path) -> ModelConfig:
     checked_file(root, "config.json", link_roots(root))
     try:
         config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QuantkitError(f"invalid JSON: {exc}", config_path) from exc
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an integer of thousands of digits, deep nesting
+        raise QuantkitError(f"invalid JSON: {_first_words(exc)}", config_path) from exc
     if not isinstance(config, dict):
         raise QuantkitError(f"not a JSON object but {type(config).__name__}", config_path)
     return ModelConfig.read(config, config_path)
+
+
+def _first_words(exc: BaseException) -> str:
+    """An exception's message on one line, cut where Python's advice to the programmer starts."""
+    return " ".join(str(exc).split(";")[0].split())
 
 
 def link_roots(root: Path) -> list[Path]:
@@ -206,8 +211,8 @@ def _shard_names(root: Path, roots: list[Path]) -> tuple[list[str], dict[str, st
         try:
             index = json.loads(index_path.read_text())
             weight_map = dict(index["weight_map"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise QuantkitError(f"invalid index: {exc}", index_path) from exc
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise QuantkitError(f"invalid index: {_first_words(exc)}", index_path) from exc
         for tensor, name in weight_map.items():
             if not isinstance(name, str) or not isinstance(tensor, str):
                 raise QuantkitError(f"invalid index: weight_map value {name!r} is not a file "
@@ -250,8 +255,8 @@ def read_shard_header(root: Path, name: str) -> Shard:
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QuantkitError(f"corrupt header: {exc}", path) from exc
+    except (ValueError, RecursionError) as exc:
+        raise QuantkitError(f"corrupt header: {_first_words(exc)}", path) from exc
     if not isinstance(header, dict):
         raise QuantkitError("corrupt header: not a JSON object", path)
     header.pop("__metadata__", None)

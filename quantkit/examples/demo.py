@@ -108,8 +108,8 @@ def demo(
     bf16 = Path(source_model) if source_model else smollm2_checkpoint(work / "smollm2-135m-bf16")
     source = block_fp8_release(bf16, work / "smollm2-135m-fp8")
     data = work / "data"
-    _slice(DATA / "arc_easy" / "test.jsonl", data / "arc_easy" / "test.jsonl", arc_items)
-    _slice(DATA / "gsm8k" / "test.jsonl", data / "gsm8k" / "test.jsonl", gsm8k_items)
+    _slice(DATA / "arc_easy" / "test.jsonl", work, "data/arc_easy/test.jsonl", arc_items)
+    _slice(DATA / "gsm8k" / "test.jsonl", work, "data/gsm8k/test.jsonl", gsm8k_items)
     result = DemoResult(str(work), str(source))
     suite = _suite(work, arc_items)
     baseline = work / "baseline-run"
@@ -131,7 +131,7 @@ def demo(
                         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
         }
         path = work / f"release-{name}.yaml"
-        _write_if_changed(path, "# written by quantkit demo\n" + yaml.safe_dump(config, sort_keys=False))
+        _write_if_changed(work, path.name, "# written by quantkit demo\n" + yaml.safe_dump(config, sort_keys=False))
         state = work / f"release-{name}" / "release-state.json"
         stage_hook = (lambda record, n=name: on_stage(n, record)) if on_stage else None
         gate_dir = work / f"release-{name}" / "gate"
@@ -167,20 +167,25 @@ def _suite(work: Path, arc_items: int) -> Path:
     suite = yaml.safe_load(suite_path(SUITE).read_text())
     suite["tasks"]["arc_easy"]["margin"] = planned_margin(arc_items)
     path = work / "suite.yaml"
-    _write_if_changed(path, f"# written by quantkit demo: the {SUITE} suite, ARC-Easy margin for {arc_items} items\n"
-                      + yaml.safe_dump(suite, sort_keys=False))
+    _write_if_changed(work, path.name, f"# written by quantkit demo: the {SUITE} suite, ARC-Easy margin for "
+                      f"{arc_items} items\n" + yaml.safe_dump(suite, sort_keys=False))
     return path
 
 
-def _slice(src: Path, dst: Path, n: int) -> None:
+def _slice(src: Path, work: Path, rel: str, n: int) -> None:
     """The first N items of a test set (the same N items on every run: the gate pairs them)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
     with open(src) as f:
         text = "".join(line for _, line in zip(range(n), f, strict=False))
-    _write_if_changed(dst, text)
+    _write_if_changed(work, rel, text)
 
 
-def _write_if_changed(path: Path, text: str) -> None:
-    """Leave a file that already says ``text`` untouched: a re-run resumes, and release fingerprints its inputs."""
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+def _write_if_changed(work: Path, rel: str, text: str) -> None:
+    """WORK/REL says ``text``: left untouched when it already does (a re-run resumes, and release fingerprints its
+    inputs), else written atomically; never through a link planted in WORK (one at the file is replaced, one at a
+    folder on the way refused)."""
+    from quantkit.checkpoint.writer import work_folder, write_bytes_atomic
+
+    parent = work_folder(work, Path(rel).parent) if Path(rel).parent != Path(".") else work
+    path = parent / Path(rel).name
+    if path.is_symlink() or not path.is_file() or path.read_text() != text:
+        write_bytes_atomic(path, text.encode())

@@ -95,8 +95,15 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
     from quantkit.formats.fp8_block import RELEASE_QUANTIZATION_CONFIG
 
     bf16, out = Path(bf16), Path(out)
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+    made_from = _contents(bf16)
+    marker = out / MADE_FROM
+    if marker.is_file() and marker.read_text() == made_from and any(out.glob("*.safetensors")):
         return out
+    if out.exists():  # made from another model (a re-run with another --source-model), or not by this function
+        if not marker.is_file():
+            raise QuantkitError("holds files this demo did not write; remove the folder or choose another workdir",
+                                out)
+        shutil.rmtree(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -111,5 +118,15 @@ def block_fp8_release(bf16: str | Path, out: str | Path) -> Path:
     write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
     release = read_config(bf16).with_quantization(dict(RELEASE_QUANTIZATION_CONFIG))
     (tmp / "config.json").write_bytes(release.to_json())
+    (tmp / MADE_FROM).write_text(made_from)
     os.replace(tmp, out)
     return out
+
+
+MADE_FROM = ".quantkit-made-from"  # the BF16 model's contents the release was written from (hidden: never shipped)
+
+
+def _contents(model: Path) -> str:
+    """A digest of a model's config and weights, byte for byte: a different model in the same folder is different."""
+    files = [model / "config.json"] + sorted(model.glob("*.safetensors"))
+    return "\n".join(f"{f.name} {sha256_file(f)}" for f in files) + "\n"

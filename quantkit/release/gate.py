@@ -18,6 +18,7 @@ import os
 import re
 from pathlib import Path
 
+from quantkit.checkpoint.writer import refuse_inside
 from quantkit.errors import CannotCompare, QuantkitError
 from quantkit.evaluation import REPEAT_DIR
 from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
@@ -66,21 +67,19 @@ def gate(
     noise: str | os.PathLike | None = None,
 ) -> GateReport:
     """Compare CANDIDATE's run with BASELINE's per the suite (a file, a built-in name, or one ``load_suite`` read
-already); write the report files when ``report_dir`` is given.
-
-    ``noise``: a second run of the baseline's model (A/A) giving the engine's own flip rate; without it,
-    BASELINE/repeat-2 is used when ``eval --repeat 2`` wrote one. Raises CannotCompare (no verdict either
-    way) when the runs or the suite cannot be read, or the runs differ in more than the model and what the
-    suite's ``may_differ`` allows.
-    """
+    already); write the report files when ``report_dir`` is given. ``noise``: a second run of the baseline's model
+    (A/A) giving the engine's own flip rate; without it, BASELINE/repeat-2 is used when ``eval --repeat 2`` wrote
+    one. Raises CannotCompare (no verdict either way) when the runs or the suite cannot be read, or the runs differ
+    in more than the model and what the suite's ``may_differ`` allows."""
     baseline, candidate = Path(baseline).resolve(), Path(candidate).resolve()
     try:
         spec = suite if isinstance(suite, Suite) else load_suite(suite, margin)
-    except CannotCompare:
-        raise
-    except QuantkitError as exc:
-        raise CannotCompare(exc.message, exc.file, exc.tensor) from exc
+    except QuantkitError as exc:  # CannotCompare is one: raised again as it was
+        raise exc if isinstance(exc, CannotCompare) else CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(baseline), read_run_record(candidate)
+    for record in (base_record, cand_record) if report_dir is not None else ():  # never into a model folder:
+        if record.model and Path(record.model).is_dir():  # its checksums would change, the next convert copy it
+            refuse_inside(Path(record.model), Path(report_dir or ""), "--report")
     spec, gated = shared_tasks(spec, base_record, cand_record, candidate) if spec.path is None else (spec, None)
     _require_tasks(spec, (base_record, baseline), (cand_record, candidate))
     allowed = _allowed_differences(spec, base_record, cand_record, candidate)
@@ -235,8 +234,10 @@ def _task_verdict(task, ids, b, c, margin, z, spec: Suite, clusters: list[str] |
     passed = True
     if "accuracy" in decide_by:
         passed &= low > -margin
-    if "loglik" in decide_by and with_choices:
-        passed &= loglik_ok
+    if "loglik" in decide_by:  # a task without choices (generative) has no loglik signal: it cannot pass on one
+        passed &= loglik_ok and bool(with_choices)
+        if not with_choices:
+            note = (note + "; " if note else "") + "decide_by loglik, but the task has no choice log-likelihoods"
     return TaskVerdict(
         task=task, n=n, baseline=100 * sum(acc_b) / n, candidate=100 * sum(acc_c) / n, delta=delta, low=low,
         high=high, margin=margin, passed=passed, flip_rate=100 * discordant, certifiable_margin=certifiable,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from quantkit.checkpoint.reader import CARD_NAME, SHIP_IGNORE, shipped_files
+from quantkit.checkpoint.reader import CARD_NAME, shipped_files
 from quantkit.checkpoint.writer import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
@@ -91,7 +91,7 @@ def publish(
     if target is not None:
         result.target = str(_publish_local(dst, target, result.files))
     else:
-        _publish_hub(api, repo, dst, private, revision)
+        _publish_hub(api, repo, dst, private, revision, [f["name"] for f in result.files])
     return result
 
 
@@ -204,7 +204,11 @@ def _publish_local(dst: Path, target: Path, files: list[dict]) -> Path:
     return target
 
 
-def _publish_hub(api, repo: str, dst: Path, private: bool, revision: str | None) -> None:
+def _publish_hub(api, repo: str, dst: Path, private: bool, revision: str | None, names: list[str]) -> None:
+    """Upload exactly NAMES (the files the gate bound, and the card): each one as a pattern that matches only itself,
+    so nothing else in DST (a hidden file in a subfolder, added after the gate) goes along."""
+    import glob
+
     from huggingface_hub import HfApi
 
     api = api or HfApi()
@@ -213,4 +217,4 @@ def _publish_hub(api, repo: str, dst: Path, private: bool, revision: str | None)
         api.create_branch(repo, branch=revision, repo_type="model", exist_ok=True)
     # Resumable: its state lives in DST/.cache/huggingface, so a re-run uploads only what is missing.
     api.upload_large_folder(repo_id=repo, folder_path=str(dst), repo_type="model", revision=revision,
-                            private=private, ignore_patterns=SHIP_IGNORE)
+                            private=private, allow_patterns=[glob.escape(name) for name in names])

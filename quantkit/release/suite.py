@@ -86,6 +86,8 @@ def load_suite(path: str | os.PathLike | None, margin: float | None = None) -> S
     from quantkit.yaml_file import load_yaml
 
     named = path is not None
+    if margin is not None and not 0 <= margin <= 100:  # points of accuracy; also refuses NaN and infinity
+        raise QuantkitError(f"the margin is a loss in accuracy points, from 0 to 100, not {margin:g}")
     path = suite_path(path or DEFAULT_SUITE)
     doc = load_yaml(path, "suite")
     try:

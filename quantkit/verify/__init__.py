@@ -24,7 +24,7 @@ from quantkit.settings import VERIFY
 from quantkit.verify.engine import engine_findings, names_load, schemes_chosen
 from quantkit.verify.findings import Finding, TensorError, VerifyReport, tensor_error
 from quantkit.verify.integrity import integrity
-from quantkit.verify.numbers import not_the_source, numbers, same_modules
+from quantkit.verify.numbers import kv_scale_values, not_the_source, numbers, same_modules
 from quantkit.verify.smoke import smoke_findings
 from quantkit.verify.structure import stored_modules, structure
 
@@ -62,6 +62,7 @@ def verify(
     findings += names_load(ckpt, rules.name, checked, notes)
     findings += schemes_chosen(ckpt, stored, rules.name, tp, checked, notes)
     findings += integrity(ckpt, checked)
+    findings += kv_scale_values(ckpt, checked)
     if source is not None:
         try:
             src = open_checkpoint(source)

@@ -28,6 +28,25 @@ def not_the_source(src: Checkpoint, dst: Checkpoint) -> Finding | None:
     return None
 
 
+def kv_scale_values(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
+    """Every FP8 KV-cache scale finite and above zero: the engine divides by it when it writes the cache and
+    multiplies by it when it reads, so a NaN, zero, negative or infinite scale garbles every token it caches."""
+    import torch
+
+    found = []
+    names = sorted(n for n in ckpt.tensors if n.endswith(KV_SCALES))
+    with TensorReader(ckpt) as reader:
+        for name in names:
+            value = reader.read(name).float()
+            if not bool((torch.isfinite(value) & (value > 0)).all()):
+                bad = value[~(torch.isfinite(value) & (value > 0))].flatten()[0].item()
+                found.append(Finding("numbers", "KV-cache scales are finite and above zero", f"holds {bad}", name,
+                                     ckpt.tensors[name].file))
+    if names:
+        checked["kv scales"] = len(names)
+    return found
+
+
 def _param_key(name: str) -> str:
     module, _, param = name.rpartition(".")
     return module if param in ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_scale_inv",
