@@ -93,7 +93,8 @@ def test_plans_options_are_named_as_the_library_names_its_settings():
 
     command = typer.main.get_command(app).commands["plan"]
     options = {p.name: p.opts for p in command.params if p.param_type_name == "option"}
-    cli_only = {"recipe": "--recipe", "deploy": "--deploy", "chart": "--chart", "json_out": "--json"}
+    cli_only = {"recipe": "--recipe", "deploy": "--deploy", "chart": "--chart", "json_out": "--json",
+                "prefill_recipe": "--prefill-recipe"}
     for name, opts in options.items():
         assert cli_only.get(name, "--" + name.replace("_", "-")) in opts, (name, opts)
         assert name in PlanSettings.model_fields or name in cli_only, name

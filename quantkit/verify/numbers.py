@@ -31,10 +31,12 @@ def not_the_source(src: Checkpoint, dst: Checkpoint) -> Finding | None:
 def kv_scale_values(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
     """Every FP8 KV-cache scale finite and above zero: the engine divides by it when it writes the cache and
     multiplies by it when it reads, so a NaN, zero, negative or infinite scale garbles every token it caches."""
+    names = sorted(n for n in ckpt.tensors if n.endswith(KV_SCALES))
+    if not names:
+        return []  # and torch stays unimported: reading commands start fast (tests/test_startup.py)
     import torch
 
     found = []
-    names = sorted(n for n in ckpt.tensors if n.endswith(KV_SCALES))
     with TensorReader(ckpt) as reader:
         for name in names:
             value = reader.read(name).float()
@@ -42,8 +44,7 @@ def kv_scale_values(ckpt: Checkpoint, checked: dict[str, int]) -> list[Finding]:
                 bad = value[~(torch.isfinite(value) & (value > 0))].flatten()[0].item()
                 found.append(Finding("numbers", "KV-cache scales are finite and above zero", f"holds {bad}", name,
                                      ckpt.tensors[name].file))
-    if names:
-        checked["kv scales"] = len(names)
+    checked["kv scales"] = len(names)
     return found
 
 
