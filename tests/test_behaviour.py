@@ -170,14 +170,16 @@ def test_a_noise_run_of_another_model_or_setup_is_refused(tmp_path):
 
 # ---- the real SmolLM2 on real GSM8K items ----------------------------------------------------------------
 
-def standin(mode: str, answers: Path) -> str:
+def standin(answers: Path) -> str:
+    """The stand-in's command; its mode comes from STANDIN_MODE, so the planted candidates share the baseline's
+    server command (the command is part of a run's setup, and the gate compares runs of one setup)."""
     import shlex
 
-    return shlex.join([sys.executable, str(STANDIN), "--standin-mode", mode, "--standin-answers", str(answers)])
+    return shlex.join([sys.executable, str(STANDIN), "--standin-answers", str(answers)])
 
 
 @pytest.mark.slow
-def test_planted_candidates_on_smollm2_gsm8k(smollm2_bf16, tmp_path):
+def test_planted_candidates_on_smollm2_gsm8k(smollm2_bf16, tmp_path, monkeypatch):
     """Served by the SGLang stand-in from the real SmolLM2's greedy answers (generated once, kept in a file the
     servers share): the model as it is (twice), the same answers with unrelated text appended (x1.5), and the same
     answers except one prompt in two looping to the limit."""
@@ -188,8 +190,9 @@ def test_planted_candidates_on_smollm2_gsm8k(smollm2_bf16, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_bf16)
     runs = {}
     for name, mode in (("base", "model"), ("again", "model"), ("filler", "filler"), ("loop", "loop")):
+        monkeypatch.setenv("STANDIN_MODE", mode)
         runs[name] = evaluate(smollm2_bf16, engine="sglang", tasks=["gsm8k"], data_dir=DATA, limit=12,
-                              out=tmp_path / name, engine_cmd=standin(mode, tmp_path / "answers.jsonl"),
+                              out=tmp_path / name, engine_cmd=standin(tmp_path / "answers.jsonl"),
                               batch_size=4).run_dir
     base = [json.loads(x) for x in (tmp_path / "base" / "samples" / "gsm8k.jsonl").read_text().splitlines()]
     assert all(r["generated_tokens"] == len(tokenizer(r["generation"], add_special_tokens=False)["input_ids"]) for r in base)

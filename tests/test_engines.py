@@ -30,8 +30,9 @@ STANDIN = Path(__file__).resolve().parent / "standin" / "sglang_standin.py"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def standin(mode: str, pids: Path | None = None) -> str:
-    cmd = [sys.executable, str(STANDIN), "--standin-mode", mode]
+def standin(mode: str | None, pids: Path | None = None) -> str:
+    """The stand-in's command; ``mode`` None: the STANDIN_MODE environment variable's (one command, several modes)."""
+    cmd = [sys.executable, str(STANDIN)] + (["--standin-mode", mode] if mode else [])
     if pids is not None:
         cmd += ["--standin-pids", str(pids)]
     return shlex.join(cmd)
@@ -99,12 +100,14 @@ def test_crash_mid_run_fails_with_the_log_tail_and_leaves_no_process(smollm2_bf1
     assert running(pids) == []
 
 
-def test_a_rerun_after_a_crash_resumes_from_the_answers_already_given(smollm2_bf16, tmp_path):
+def test_a_rerun_after_a_crash_resumes_from_the_answers_already_given(smollm2_bf16, tmp_path, monkeypatch):
+    monkeypatch.setenv("STANDIN_MODE", "crash-after=10")  # the same server command both times, as a user re-runs it
     with pytest.raises(EngineError):
         evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=6, out=tmp_path / "run",
-                 engine_cmd=standin("crash-after=10"), batch_size=1)
+                 engine_cmd=standin(None), batch_size=1)
+    monkeypatch.setenv("STANDIN_MODE", "hash")
     result = evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=6, out=tmp_path / "run",
-                      engine_cmd=standin("hash"), batch_size=1)
+                      engine_cmd=standin(None), batch_size=1)
     assert result.scores["arc_easy"]["n"] == 6
     posts = (tmp_path / "run" / "server.log").read_text().split("ready to roll! (hash)")[1].count("POST /v1/completions")
     assert posts == 24 - 10  # 6 items x 4 choices, of which the first server answered 10
@@ -203,3 +206,23 @@ def test_a_run_dir_from_another_model_family_is_refused(smollm2_bf16, synthetic,
                         engine_cmd=standin("hash"))
     with pytest.raises(CannotCompare, match="model_family.model_type: 'glm_moe_dsa' vs 'llama'"):
         gate(glm_run.run_dir, smol_run.run_dir, margin=1.0)
+
+
+def test_the_server_command_is_part_of_the_runs_setup(smollm2_bf16, tmp_path):
+    """Recorded in run.json and so in the request cache's binding: a run folder is not evaluated again with another
+    server command (before, every cached answer of the first was reused), and two commands do not gate as one
+    setup."""
+    from quantkit.errors import CannotCompare, QuantkitError
+    from quantkit.release.gate import gate
+
+    first = evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=4, out=tmp_path / "a",
+                     engine_cmd=standin("hash"), batch_size=1)
+    record = json.loads((Path(first.run_dir) / "run.json").read_text())
+    assert record["engine"]["args"]["command"] == standin("hash")
+    with pytest.raises(QuantkitError, match="holds a run with a different engine"):
+        evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=4, out=tmp_path / "a",
+                 engine_cmd=standin("hash") + " --random-seed 0", batch_size=1)
+    other = evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=4, out=tmp_path / "b",
+                     engine_cmd=standin("hash") + " --random-seed 0", batch_size=1)
+    with pytest.raises(CannotCompare, match="engine.args.command"):
+        gate(first.run_dir, other.run_dir)

