@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from quantkit.checkpoint.writer import folder_lock, sha256_file, work_folder, write_error
 from quantkit.errors import QuantkitError
-from quantkit.release.config import ReleaseConfig
+from quantkit.release.config import ReleaseConfig, work_dir_of
 from quantkit.release.stages import STAGES as _STAGES
 from quantkit.release.stages import Chain, Stage, StageStatus
 from quantkit.release.state import STATE_NAME, ReleaseState, StageState, load_state
@@ -64,7 +64,7 @@ def release_one(
     """One artifact's chain, from a config read from ``config_path`` (whose folder relative paths start from)."""
     chain = Chain(config, config_path, Path(), ReleaseState(), api, on_progress, on_launch)
     _suite_tasks_evaluated(config, chain.gate_suite, config_path)
-    work = chain.resolve(config.work_dir) or config_path.parent / f"{config_path.stem}-work"
+    work = work_dir_of(config_path, config.work_dir)
     if load_state(work / STATE_NAME) and not resume:
         raise QuantkitError("holds a release already; --resume continues it, or remove the folder to start over", work)
     try:

@@ -23,6 +23,22 @@ class ReleaseEvalSettings(EvalSettings):
         return EvalSettings.model_validate(self.model_dump(include=set(EvalSettings.model_fields)))
 
 
+def config_relative(config_path: Path, p: str) -> Path:
+    """A path a release config names: a relative one starts from the config's folder."""
+    return Path(p) if Path(p).is_absolute() else (config_path.parent / p).resolve()
+
+
+def work_dir_of(config_path: Path, work_dir: str | None) -> Path:
+    """A release's work folder: ``work_dir``, or <config name>-work beside the config."""
+    return config_relative(config_path, work_dir) if work_dir else config_path.parent / f"{config_path.stem}-work"
+
+
+def publish_repo(config_path: Path, repo: str) -> str:
+    """The repo publish is given: a ``file://`` target made absolute (relative to the config), a hub id as it is."""
+    return "file://" + str(config_relative(config_path, repo.removeprefix("file://"))) if repo.startswith("file://") \
+        else repo
+
+
 class PublishSettings(Section):
     repo: str  # ORG/NAME on the hub, or file://DIR
     private: bool = False
@@ -41,6 +57,12 @@ class ReleaseConfig(Section):
     suite: str | None = None
     margin: float | None = None
     publish: PublishSettings | None  # required; null: gated, not published
+
+    @property
+    def candidate_kv(self) -> str:
+        """The KV-cache dtype the candidate is evaluated (and served) with."""
+        ev = self.eval
+        return ev.candidate_kv_cache_dtype or ("fp8_e4m3" if self.calibrate_kv else ev.kv_cache_dtype)
 
 
 class PoolSettings(Section):

@@ -12,16 +12,16 @@ folder of one).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.checkpoint.writer import work_folder, write_bytes_atomic
 from quantkit.errors import QuantkitError
 from quantkit.release.chain import ReleaseResult, ReleaseStopped, StageRecord, StageStatus, release_one
-from quantkit.release.config import PoolsConfig, PoolSettings
+from quantkit.release.config import PoolsConfig, config_relative, publish_repo, work_dir_of
+from quantkit.release.stages import refused, write_json
 
 
 @dataclass
@@ -55,13 +55,13 @@ def release_pools(
 ) -> PoolsResult:
     """Plan both pools, release each (prefill first), then publish both together; a stage that stops names its
     pool."""
-    work = _path(config_path, config.work_dir) if config.work_dir else config_path.parent / f"{config_path.stem}-work"
+    work = work_dir_of(config_path, config.work_dir)
     try:
         work.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QuantkitError(f"cannot create the work folder ({exc.strerror})", work) from exc
     result = PoolsResult(str(config_path), str(work))
-    source = _path(config_path, config.source)
+    source = config_relative(config_path, config.source)
     result.plan = _plan(config, source, work, config_path, on_stage)
     for name, settings in config.pools.items():
         def staged(record: StageRecord, name: str = name) -> None:
@@ -77,7 +77,8 @@ def release_pools(
                                on_progress=on_progress, on_launch=on_launch)
         except ReleaseStopped as exc:
             raise ReleaseStopped(exc.stage, exc.cause, config_path, pool=name) from exc
-        result.pools.append(PoolResult(name, settings.recipe, str(work / name / "model"), _kv(config, settings), done))
+        result.pools.append(PoolResult(name, settings.recipe, str(work / name / "model"),
+                                       config.pool(name, work).candidate_kv, done))
     if config.publish is not None:
         started = time.perf_counter()
         try:
@@ -91,14 +92,6 @@ def release_pools(
     return result
 
 
-def _path(config_path: Path, p: str) -> Path:
-    return Path(p) if Path(p).is_absolute() else (config_path.parent / p).resolve()
-
-
-def _kv(config: PoolsConfig, settings: PoolSettings) -> str:
-    return "fp8_e4m3" if settings.calibrate_kv else config.eval.kv_cache_dtype
-
-
 def _plan(config: PoolsConfig, source: Path, work: Path, config_path: Path,
           on_stage: Callable[[StageRecord], None] | None) -> str:
     """Both pools sized at the verified TP (``plan --deploy``), before hours of converting."""
@@ -110,11 +103,11 @@ def _plan(config: PoolsConfig, source: Path, work: Path, config_path: Path,
         report = plan(source, decode.recipe, tp=config.verify.tp, max_shard_size=config.convert.max_shard_size,
                       deploy=True, chart=work / "plan-memory.png", dst_hint=str(work / "decode" / "model"),
                       prefill_recipe=config.pools.prefill.recipe, prefill_hint=str(work / "prefill" / "model"),
-                      decode_kv_dtype=_kv(config, decode))
+                      decode_kv_dtype=config.pool("decode", work).candidate_kv)
     except QuantkitError as exc:
         raise ReleaseStopped("plan", str(exc), config_path, pool="both") from exc
     out = work / "plan.json"
-    write_bytes_atomic(out, (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
+    write_json(out, report)
     summary = "; ".join(f"{p.role} {p.weights_per_gpu / 1e9:.3f} GB weights + {p.kv_tokens_per_gpu:,} {p.kv_dtype} "
                         f"KV tokens per GPU at tp={report.tp}" for p in report.pools)
     if on_stage is not None:
@@ -132,12 +125,9 @@ def _as_released(config: PoolsConfig, source: Path, work: Path, name: str, confi
     v = config.verify
     report = verify(source, engine=v.engine, tp=v.tp, smoke=v.smoke)
     folder = work_folder(work, name)
-    write_bytes_atomic(folder / "verify.json", (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
+    write_json(folder / "verify.json", report)
     if not report.passed:
-        first = report.findings[0]
-        where = first.tensor or first.file or first.rule
-        raise ReleaseStopped("verify", f"the source as released: {len(report.findings)} finding(s), first: "
-                             f"{first.check} {where}: {first.message} (all in {folder / 'verify.json'})",
+        raise ReleaseStopped("verify", f"the source as released: {refused(report, folder / 'verify.json')}",
                              config_path, pool=name)
     on_stage(StageRecord("verify", StageStatus.RAN, round(time.perf_counter() - started, 1),
                          f"the source as released passed for {v.engine} tp={v.tp} (not gated: it is the baseline)"))
@@ -155,10 +145,8 @@ def publish_pools(result: PoolsResult, config: PoolsConfig, config_path: Path, a
     converted = [r for r in result.pools if r.release is not None]
     verdicts = {r.name: check_gate(Path(r.model), Path(result.work_dir) / r.name / "gate" / "verdict.json", False)
                 for r in converted}
-    repo = p.repo
+    repo = publish_repo(config_path, p.repo)
     local = repo.startswith("file://")
-    if local:
-        repo = "file://" + str(_path(config_path, repo.removeprefix("file://")))
     for r in result.pools:  # the source as released is served from where its owner published it
         r.published = (f"{repo}/{r.name}" if local else f"{repo}-{r.name}") if r.release else p.base_model
     section = pools_section(result.pools, verdicts)

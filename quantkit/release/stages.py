@@ -14,7 +14,7 @@ from typing import Any
 from quantkit.checkpoint.writer import LOCK_NAME, write_bytes_atomic
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.run_dir import read_scores
-from quantkit.release.config import ReleaseConfig
+from quantkit.release.config import ReleaseConfig, config_relative, publish_repo
 from quantkit.release.state import STATE_NAME, ReleaseState
 from quantkit.release.suite import Suite, load_suite
 
@@ -48,7 +48,7 @@ class Chain:
         return None if p is None else self.path(p)
 
     def path(self, p: str) -> Path:
-        return Path(p) if Path(p).is_absolute() else (self.config_path.parent / p).resolve()
+        return config_relative(self.config_path, p)
 
     @property
     def source(self) -> Path:
@@ -90,9 +90,7 @@ class Chain:
         the release is not published."""
         if self.config.publish is None:
             return None
-        repo = self.config.publish.repo
-        if repo.startswith("file://"):
-            repo = "file://" + str(self.path(repo.removeprefix("file://")))
+        repo = publish_repo(self.config_path, self.config.publish.repo)
         return repo, repo.removeprefix("file://")
 
     def evaluate(self, model: Path, out: Path, kv: str, repeat: int = 1,
@@ -106,8 +104,7 @@ class Chain:
 
     @property
     def candidate_kv(self) -> str:
-        ev = self.config.eval
-        return ev.candidate_kv_cache_dtype or ("fp8_e4m3" if self.config.calibrate_kv else ev.kv_cache_dtype)
+        return self.config.candidate_kv
 
 
 Outcome = str | tuple[StageStatus, str] | None  # a summary; a status other than RAN with it; None: not configured
@@ -124,7 +121,7 @@ class Stage:
     identity: Callable[[Chain], list[str]] = lambda chain: []
 
 
-def _write_json(path: Path, report) -> None:
+def write_json(path: Path, report) -> None:
     write_bytes_atomic(path, (json.dumps(asdict(report), indent=2, default=str) + "\n").encode())
 
 
@@ -133,7 +130,7 @@ def _plan(chain: Chain) -> Outcome:
 
     report = plan(chain.source, chain.recipe, tp=chain.config.verify.tp,
                   max_shard_size=chain.config.convert.max_shard_size)
-    _write_json(chain.work / "plan.json", report)
+    write_json(chain.work / "plan.json", report)
     return f"{report.bytes_now / 1e9:.3f} GB -> {(report.bytes_after or 0) / 1e9:.3f} GB"  # a recipe: never None
 
 
@@ -174,13 +171,17 @@ def _verify(chain: Chain) -> Outcome:
 
     v = chain.config.verify
     report = verify(chain.model, source=chain.source, engine=v.engine, tp=v.tp, smoke=v.smoke)
-    _write_json(chain.work / "verify.json", report)
+    write_json(chain.work / "verify.json", report)
     if not report.passed:
-        first = report.findings[0]
-        where = first.tensor or first.file or first.rule  # a finding about the whole checkpoint names its rule
-        raise QuantkitError(f"{len(report.findings)} finding(s), first: {first.check} {where}: "
-                            f"{first.message} (all in {chain.work / 'verify.json'})")
+        raise QuantkitError(refused(report, chain.work / "verify.json"))
     return f"passed for {v.engine} tp={v.tp}"
+
+
+def refused(report, saved: Path) -> str:
+    """Why verify stops a release: how many findings, the first one, and where all of them are."""
+    first = report.findings[0]
+    where = first.tensor or first.file or first.rule  # a finding about the whole checkpoint names its rule
+    return f"{len(report.findings)} finding(s), first: {first.check} {where}: {first.message} (all in {saved})"
 
 
 def _eval_baseline(chain: Chain) -> Outcome:
