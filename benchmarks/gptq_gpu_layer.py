@@ -17,6 +17,7 @@ expert groups, and the RTN time. Each output is deleted once measured (a GLM-5 l
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import time
@@ -113,6 +114,8 @@ def main() -> None:
                                                                 "MoE layer with the forward to the next, one without)")
     parser.add_argument("--small", action="store_true", help="a miniature layer (try the script on a CPU)")
     parser.add_argument("--no-rtn", action="store_true", help="skip the RTN reference conversion")
+    parser.add_argument("--compile", action="store_true",
+                        help="SignRound's fake quantization compiled (the recipe's enable_torch_compile: true)")
     args = parser.parse_args()
     work = args.work
     dims = SMALL if args.small else GLM5_LAYER if args.family == "glm_moe_dsa" else DEEPSEEK_V3_LAYER
@@ -133,6 +136,8 @@ def main() -> None:
         head, _, rest = text.partition("quantkit_calibration:\n")
         own = yaml.safe_load(text)["quantkit_calibration"]
         experts = args.experts or own.get("experts", "all")
+        if args.compile:
+            rest = rest.replace("enable_torch_compile: false", "enable_torch_compile: true")
         recipe = work / f"recipe-{algorithm}.yaml"
         recipe.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {args.samples}\n"
                           f"  seq_len: {args.seq_len}\n  experts: {experts}\n" + rest[rest.index("quant_stage:"):])
@@ -149,13 +154,17 @@ def main() -> None:
         result = convert(src, dst, recipe, device=args.device, force=dst.exists(), on_layer=on_layer,
                          gpu_memory=args.gpu_memory)
         calibrated_s = time.perf_counter() - t0
+        digest = hashlib.sha256()
+        for shard in sorted(dst.glob("*.safetensors")):
+            digest.update(shard.read_bytes())
         shutil.rmtree(dst)
         print(json.dumps({
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "family": args.family,
             "torch": torch.__version__, "samples": args.samples, "seq_len": args.seq_len, "experts": experts,
             "algorithm": algorithm, "tokens": args.samples * args.seq_len, "build_s": round(build_s, 1),
             "source_bytes": result.source_bytes, "gpu_memory": args.gpu_memory,
-            "calibrated_convert_s": round(calibrated_s, 1),
+            "calibrated_convert_s": round(calibrated_s, 1), "compiled": args.compile,
+            "shards_sha256": digest.hexdigest(),
             "layers": [{"layer": r.layer, "seconds": round(r.seconds, 1), "groups": r.expert_groups,
                         "phases": {k: round(v, 1) for k, v in r.phases.items()},
                         "peak_gib": round(r.peak_device_bytes / 2**30, 1), "weights": r.weights, "rtn": r.rtn}

@@ -42,6 +42,9 @@ class Budget:
         import torch
 
         free, total = torch.cuda.mem_get_info(torch.device(device))
+        # what this process's caching allocator holds but no tensor uses (an earlier conversion's blocks) is free to
+        # the walk too: mem_get_info counts it as taken
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         if spec is None:
             return cls(device, max(0, free - max(MARGIN, total // 20)))
         from quantkit.sizes import parse_size
