@@ -219,3 +219,28 @@ def stop_after_first_layer(src: Path, dst: Path, recipe) -> object:
     with pytest.raises(Stopped):
         convert(src, dst, recipe, device="cpu", on_layer=stop)
     return seen[0]
+
+
+def revise_in_place(src: Path, tensors: str = "") -> list[str]:
+    """A new revision of ``src`` written over the old one where it lies: every BF16 and F32 tensor whose name holds
+    ``tensors`` has each value's lowest mantissa bit flipped (finite stays finite), and the names, sizes and headers
+    stay as they were. Returns the tensors changed."""
+    import struct
+
+    changed = []
+    for shard in sorted(src.glob("*.safetensors")):
+        with open(shard, "r+b") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+            for name, info in header.items():
+                if name == "__metadata__" or tensors not in name or info["dtype"] not in ("BF16", "F32"):
+                    continue
+                start, end = (8 + length + offset for offset in info["data_offsets"])
+                step = 2 if info["dtype"] == "BF16" else 4
+                f.seek(start)
+                data = bytearray(f.read(end - start))
+                data[::step] = bytes(b ^ 1 for b in data[::step])  # little-endian: the low byte's lowest bit
+                f.seek(start)
+                f.write(data)
+                changed.append(name)
+    return changed

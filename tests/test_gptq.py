@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import first_layers, stop_after_first_layer
+from helpers import first_layers, revise_in_place, stop_after_first_layer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint.manifest import load_manifest
 from quantkit.checkpoint.reader import open_checkpoint
-from quantkit.convert import calibration_batches, convert
+from quantkit.convert import DifferentRun, calibration_batches, convert
 from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
@@ -250,6 +250,20 @@ def test_resume_after_a_kill_at_any_layer_redoes_no_finished_layer_and_gives_the
     assert tree_bytes(dst) | {"quantkit-manifest.json": b""} == tree_bytes(run["all"]) | {"quantkit-manifest.json": b""}
     ours, theirs = load_manifest(dst), load_manifest(run["all"])
     assert ours.shards == theirs.shards and ours.calibrated_modules == theirs.calibrated_modules
+
+
+def test_resume_refuses_finished_layers_whose_source_changed_in_place(moe_runs, tmp_path):
+    """Layer 1's finished GPTQ came through layer 0: a revision written over layer 0 (same headers) must not be
+    resumed into, nor one over layer 1 itself; an untouched source resumes."""
+    run = moe_runs["glm_moe_dsa"]
+    src = tmp_path / "src"
+    shutil.copytree(run["src"], src)
+    for part in ("layers.0.", "layers.1."):
+        dst = tmp_path / part
+        stop_after_first_layer(src, dst, run["all-recipe"])
+        assert revise_in_place(src, tensors=part)
+        with pytest.raises(DifferentRun, match="decoder layer 1 or one before it"):
+            convert(src, dst, run["all-recipe"], device="cpu", resume=True)
 
 
 def test_a_run_an_older_quantkit_started_resumes_with_its_finished_layers(moe_runs, tmp_path):

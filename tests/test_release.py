@@ -1,12 +1,14 @@
 """release: the chain from one config, resumable after a kill between stages, stopping with a usable message."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import evaldata
+from helpers import evaldata, revise_in_place
 
+from quantkit.checkpoint.manifest import load_manifest
 from quantkit.errors import QuantkitError
 from quantkit.examples.smollm2 import block_fp8_release
 from quantkit.release import STAGES, ReleaseStopped, release
@@ -123,3 +125,36 @@ def test_the_shipped_example_config_is_valid():
     assert config.eval.engine == "sglang" and config.eval.candidate_kv_cache_dtype == "fp8_e4m3"
     assert load_suite(root / config.suite).may_differ == ["engine.args.kv_cache_dtype"]
     assert set(load_suite(root / config.suite).tasks) <= set(config.eval.tasks)  # it gates what it evaluates
+
+
+@pytest.mark.slow  # the real SmolLM2 converted twice
+def test_a_source_revised_in_place_is_converted_again_on_resume(fp8_source, tmp_path):
+    """Same names, sizes and headers, other bytes: a resumed release must not keep the old conversion as done."""
+    source = tmp_path / "source"
+    shutil.copytree(fp8_source, source)
+    config = write_config(tmp_path, source)
+
+    def kill_after_convert(record):
+        if record.stage == "convert":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        release(config, on_stage=kill_after_convert)
+    model = tmp_path / "release-work" / "model"
+    before = load_manifest(model).shards
+    statuses = []
+
+    def record_then_kill(record):
+        statuses.append((record.stage, record.status))
+        kill_after_convert(record)
+
+    with pytest.raises(KeyboardInterrupt):
+        release(config, resume=True, on_stage=record_then_kill)
+    assert statuses == [("plan", "resumed"), ("convert", "resumed")]  # untouched: nothing runs again
+    assert revise_in_place(source, tensors="layers.0.")
+    statuses.clear()
+    with pytest.raises(KeyboardInterrupt):
+        release(config, resume=True, on_stage=record_then_kill)
+    assert statuses == [("plan", "ran"), ("convert", "ran")]
+    after = load_manifest(model).shards
+    assert after != before and {n for n in after if after[n].source_digest != before[n].source_digest}

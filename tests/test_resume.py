@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,8 +11,10 @@ import time
 
 import pytest
 from conftest import tree_bytes
+from helpers import one_line_error, quantkit, revise_in_place
 
-from quantkit.convert import convert
+from quantkit.checkpoint.reader import open_checkpoint
+from quantkit.convert import DifferentRun, convert
 from quantkit.errors import QuantkitError
 from quantkit.examples.synthetic import build_synthetic
 
@@ -100,3 +103,53 @@ def test_resume_redoes_a_shard_whose_file_was_damaged(big_source, tmp_path):
     result = convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
     assert result.shards_written == 1
     assert victim.read_bytes() == (reference / victim.name).read_bytes()
+
+
+def _stopped_midway(src, dst, keep: int) -> None:
+    """A finished conversion turned into one killed after ``keep`` shards (the manifest records only those)."""
+    convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB")
+    manifest = json.loads((dst / "quantkit-manifest.json").read_text())
+    names = sorted(manifest["shards"])
+    for name in names[keep:]:
+        del manifest["shards"][name]
+        (dst / name).unlink()
+    manifest["status"] = "running"
+    (dst / "config.json").unlink()
+    (dst / "quantkit-manifest.json").write_text(json.dumps(manifest))
+
+
+def test_resume_refuses_a_source_updated_in_place_under_the_same_headers(big_source, tmp_path):
+    """A run killed mid-way, the source then replaced in place by another revision with identical names, sizes and
+    headers: the resume must not finish the output from the new bytes beside shards made from the old ones."""
+    src = tmp_path / "src"
+    shutil.copytree(big_source[0], src)
+    dst = tmp_path / "dst"
+    _stopped_midway(src, dst, keep=4)
+    before = open_checkpoint(src).fingerprint()
+    assert revise_in_place(src)
+    assert open_checkpoint(src).fingerprint() == before  # what identified a source until now cannot tell
+    with pytest.raises(DifferentRun, match="source changed since this run started"):
+        convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
+    assert not (dst / "config.json").exists()
+    one_line_error(quantkit("convert", src, dst, *ARGS, "--resume"), "source changed since this run started", "--force")
+    # a finished run is held to its source too, and --force starts over from the new revision
+    forced = convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", force=True)
+    assert forced.shards_reused == 0
+    again = convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
+    assert again.shards_written == 0
+    revise_in_place(src, tensors="layers.2.")
+    with pytest.raises(DifferentRun, match="source changed"):
+        convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
+
+
+def test_a_source_merely_touched_or_copied_still_resumes(big_source, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(big_source[0], src)
+    dst = tmp_path / "dst"
+    _stopped_midway(src, dst, keep=4)
+    for shard in src.glob("*.safetensors"):
+        os.utime(shard)
+    result = convert(src, dst, "glm5-int4-experts-g32", device="cpu", workers=1, max_shard_size="1MB", resume=True)
+    assert result.shards_reused == 4
+    manifest = {"quantkit-manifest.json": b""}  # it names the source's path, which is another here
+    assert tree_bytes(dst) | manifest == tree_bytes(big_source[1]) | manifest

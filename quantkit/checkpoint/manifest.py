@@ -29,6 +29,9 @@ class ShardRecord(BaseModel):
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0)
+    # what it was made from (checkpoint/source_digest.py): an output shard, the source tensors it read; a calibrated
+    # layer, every source layer up to it (its inputs came through them). A resumed run re-reads and compares it.
+    source_digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
 
     def matches(self, path: Path, rehash: bool = True) -> bool:
         """Whether ``path`` is still the file recorded: a regular file (not a link), of the recorded size and,

@@ -353,7 +353,7 @@ class TensorReader:
             self._fds[file] = fd
         return fd
 
-    def _bytes(self, name: str) -> bytearray:
+    def read_bytes(self, name: str) -> bytearray:
         buf = bytearray(self.checkpoint.tensors[name].nbytes)
         self._read_into(name, memoryview(buf))
         return buf
@@ -386,7 +386,7 @@ class TensorReader:
         if info.dtype not in _INT_FORMATS:
             raise QuantkitError(f"expected an integer tensor, found "
                                 f"{info.dtype}", self.checkpoint.root / info.file, name)
-        return memoryview(self._bytes(name)).cast(_INT_FORMATS[info.dtype]).tolist()  # type: ignore[call-overload]
+        return memoryview(self.read_bytes(name)).cast(_INT_FORMATS[info.dtype]).tolist()  # type: ignore[call-overload]
 
     def close(self) -> None:
         for fd in self._fds.values():

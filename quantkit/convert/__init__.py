@@ -90,7 +90,8 @@ def convert(
     :param max_shard_size: largest output file, e.g. ``5GB``.
     :param resume: finish the interrupted run of the same job in DST.
     :param force: replace the quantkit run DST holds (never a folder of other files).
-    :param verify_reused: on resume, re-hash each finished shard before keeping it.
+    :param verify_reused: on resume, re-hash each finished shard, and re-read the source bytes it was made from,
+        before keeping it.
     :param calibration_data: a GPTQ recipe's calibration file, instead of the recipe's own.
     :param dtype: what a GPTQ recipe's layer walk computes in (``auto``, ``bf16``, ``fp16``, ``fp32``; weights and
         scales are the checkpoint's either way). ``auto``: the model's dtype on a GPU, on a CPU it or FP32, whichever
@@ -112,6 +113,10 @@ def convert(
     with folder_lock(job.dst):
         manifest, finished = dst_folder.prepare_dst(job.dst, manifest, resume, force)
         todo = [s for s in job.plan.shards if not dst_folder.is_done(job.dst, s, manifest, verify_reused)]
+        made_by_walk = calibrated.target_modules(job.ckpt, job.plan, job.recipe)
+        if verify_reused:
+            kept = [s for s in job.plan.shards if s not in todo]
+            dst_folder.same_source(job.ckpt, kept, manifest, made_by_walk, job.workers)
         total = sum(s.source_bytes for s in job.plan.shards)
         progress = Progress(total, on_progress)
         progress.add(total - sum(s.source_bytes for s in todo))
@@ -126,8 +131,8 @@ def convert(
             quantized = _calibrate(job, manifest, on_layer)
         # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
         if todo or not finished:
-            run_all(Job(job.plan, job.ckpt, job.dst, manifest, stats, progress, quantized), todo, job.workers,
-                    job.devices)
+            run_all(Job(job.plan, job.ckpt, job.dst, manifest, stats, progress, quantized, made_by_walk), todo,
+                    job.workers, job.devices)
             dst_folder.finish(job.ckpt, job.recipe, job.plan, job.dst, manifest)
         for folder in (walk.WORK_DIR, walk.LEGACY_WORK_DIR):  # every calibrated result is in the shards now
             shutil.rmtree(job.dst / folder, ignore_errors=True)

@@ -90,6 +90,31 @@ def _clear_outputs(dst: Path) -> None:
         (dst / name).unlink(missing_ok=True)
 
 
+def same_source(ckpt: Checkpoint, shards: list[OutputShard], manifest: Manifest, calibrated: frozenset[str],
+                workers: int) -> None:
+    """Each finished shard's source bytes, read again, are the ones it was made from: a source updated in place
+    since (same names, sizes and headers) must not be mixed into this run's output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from quantkit.checkpoint.reader import TensorReader
+    from quantkit.checkpoint.source_digest import tensors_digest
+
+    recorded = [(s, manifest.shards[s.name].source_digest) for s in shards]
+    checked = [(s, digest) for s, digest in recorded if digest is not None]  # older manifests recorded none
+
+    def now(shard: OutputShard) -> str:
+        names = [n for a in shard.actions if a.module not in calibrated for n in a.sources]
+        with TensorReader(ckpt) as reader:
+            return tensors_digest(reader, names)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for (shard, digest), current in zip(checked, pool.map(now, [s for s, _ in checked]), strict=True):
+            if current != digest:
+                files = sorted({ckpt.tensors[n].file for a in shard.actions for n in a.sources})
+                raise DifferentRun(f"the source changed since this run started: {', '.join(files)} no longer hold the "
+                                   f"bytes {shard.name} was made from; use --force to start over", ckpt.root)
+
+
 def is_done(dst: Path, shard: OutputShard, manifest: Manifest, verify: bool) -> bool:
     """Whether a finished shard can be kept: recorded, present, and (``verify``) still the bytes recorded."""
     record = manifest.shards.get(shard.name)

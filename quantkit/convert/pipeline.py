@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.source_digest import SourceDigest
 from quantkit.checkpoint.writer import ShardWriter
 from quantkit.convert.actions import calibrated_outputs, capture_graphs, frequent_computations, run_action
 from quantkit.convert.cuda_graphs import GraphCache
@@ -98,6 +99,7 @@ class Job:
     stats: Stats
     progress: Progress
     quantized: CalibratedResult | None = None  # the calibrated walk's layer files, read instead of computed
+    calibrated: frozenset[str] = frozenset()  # modules the calibrated walk makes (their source bytes: its digest)
 
 
 def run_all(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
@@ -134,11 +136,12 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
     def one(shard: OutputShard) -> None:
         slot = slots.get()
         try:
-            written = _convert_shard(job, shard, slot)
+            written, digest = _convert_shard(job, shard, slot)
         finally:
             slots.put(slot)
         with lock:
-            job.manifest.shards[shard.name] = ShardRecord(sha256=written.sha256, size=written.size)
+            job.manifest.shards[shard.name] = ShardRecord(sha256=written.sha256, size=written.size,
+                                                          source_digest=digest)
             job.manifest.save(job.dst)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -182,6 +185,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
     loaded, computed = _Pipe(PREFETCH, stop), _Pipe(PREFETCH, stop)
     failures: list[BaseException] = []
     written: list = []
+    digest = SourceDigest()  # the source bytes this shard is made of, as they are read
 
     def read_ahead():
         try:
@@ -194,6 +198,9 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
                         tensors = quantized.read(action.module, layer_files)
                     else:
                         tensors = {name: reader.read(name, pinned=pinned) for name in action.sources}
+                    if action.module not in job.calibrated:
+                        for name in action.sources:
+                            digest.add(name, tensors[name])
                     stats.add("read", time.perf_counter() - t0)
                     if not loaded.put((action, tensors, done)):
                         return
@@ -242,4 +249,4 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
                 t.join()
         if failures:
             raise failures[0]
-        return written[0]
+        return written[0], digest.hexdigest()

@@ -322,11 +322,18 @@ def _suite_files(chain: Chain) -> list[Path]:
     return [suite_path(chain.suite or DEFAULT_SUITE)]
 
 
-def _source_identity(chain: Chain) -> list[str]:
-    """The source as convert's manifest identifies it: config, shard names, sizes and headers."""
-    from quantkit.checkpoint.reader import open_checkpoint
+SOURCE_DIGESTS = "source-digests.json"
 
-    return [open_checkpoint(chain.source).fingerprint()]
+
+def _source_identity(chain: Chain) -> list[str]:
+    """The source by its config, shard names, headers and bytes: a revision updated in place under the same headers
+    re-runs every stage (a file is read again only once its size, times or inode moved: checkpoint/source_digest.py)."""
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.checkpoint.source_digest import file_digests
+
+    ckpt = open_checkpoint(chain.source)
+    digests = file_digests(ckpt, chain.work / SOURCE_DIGESTS)
+    return [ckpt.fingerprint(), *(f"{name}:{digest}" for name, digest in sorted(digests.items()))]
 
 
 def _one(name: str) -> Callable[[Chain], tuple[list[Path], dict[str, str]]]:

@@ -127,10 +127,17 @@ def started_in(dst: Path, ckpt: Checkpoint) -> str:
     return spelled.get(started.computed_in or dtype_name(model_dtype(ckpt.config)), "auto")
 
 
-def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
+def target_modules(ckpt, plan, rec) -> frozenset[str]:
+    """The modules a calibrated recipe's layer walk quantizes (none for round-to-nearest)."""
+    if rec.calibration is None:
+        return frozenset()
     from quantkit.convert.calibrated.walk import calibration_targets
 
-    targets = {t.module for layer in calibration_targets(ckpt, plan, rec).values() for t in layer}
+    return frozenset(t.module for layer in calibration_targets(ckpt, plan, rec).values() for t in layer)
+
+
+def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
+    targets = target_modules(ckpt, plan, rec)
     return any(a.module in targets for s in todo for a in s.actions)
 
 

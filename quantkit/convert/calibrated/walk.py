@@ -28,6 +28,7 @@ import torch
 from quantkit.checkpoint.manifest import CalibratedModuleRecord, Manifest, ShardRecord
 from quantkit.checkpoint.names import LAYER
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.source_digest import layer_tensors, tensors_digest
 from quantkit.checkpoint.writer import work_folder, write_safetensors
 from quantkit.convert.calibrated.memory import HELP, Budget, Run
 from quantkit.convert.tensor_plan import ActionKind, ConversionPlan
@@ -183,21 +184,26 @@ def walk_layers(ckpt: Checkpoint, recipe: Recipe, plan: ConversionPlan, dst: Pat
     if not targets:
         return result
     last, walk = max(targets), quantizer.walk
-    with TensorReader(ckpt) as reader, quantizer.running(), LayerFiles(dst, manifest, quantizer.recorded) as files:
+    # the chain closes last: the layer file still being written waits for its digest
+    with SourceChain(ckpt) as chain, TensorReader(ckpt) as reader, quantizer.running(), \
+            LayerFiles(dst, manifest, quantizer.recorded) as files:
         for i in range(last + 1):
             started = time.perf_counter()
             phases = Phases(walk.device)
             layer_targets = targets.get(i, [])
             path = work / f"layer-{i:05d}.safetensors"
+            chain.add(i)
             with phases("read"):
                 state = walk.read_layer(i, reader)
             reused = bool(layer_targets) and finished(path, manifest, i)
+            if reused:
+                chain.check(i, manifest.calibrated_layers[str(i)].source_digest)
             advanced, groups = False, 0
             if layer_targets and not reused:
                 with out_of_memory_is_one_line(ckpt, i, quantizer.budget):
                     layer = quantizer.quantize(i, state, layer_targets, phases)
                 with phases("write"):  # the wait for the previous layer's file, if it is still being written
-                    files.write(i, path, layer.tensors, layer.records, layer.first)
+                    files.write(i, path, layer.tensors, layer.records, layer.first, chain.digest(i))
                 advanced, groups = layer.advanced, layer.expert_groups
             if i < last and not advanced:
                 with phases("forward"):
@@ -227,6 +233,44 @@ def out_of_memory_is_one_line(ckpt: Checkpoint, i: int, budget: Budget | None):
                             f"({str(exc).splitlines()[0][:160]}): {HELP}", ckpt.root, f"model.layers.{i}") from None
 
 
+class SourceChain:
+    """Per decoder layer, the digest of the source it was calibrated from: its own tensors and, through the previous
+    layer's digest, every layer before it and the embeddings (its inputs came through them). Read and hashed in a
+    thread of its own (page-cache reads of what the walk just read) while the walk works."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-source-digest")
+        self._reader = TensorReader(ckpt)
+        self._digests: dict[int, Future] = {}
+        embed = [n for n in ("model.embed_tokens.weight",) if n in ckpt.tensors]
+        self._last: Future = self._pool.submit(tensors_digest, self._reader, embed)
+
+    def add(self, i: int) -> None:
+        previous = self._last
+        self._last = self._digests[i] = self._pool.submit(
+            lambda: tensors_digest(self._reader, layer_tensors(self.ckpt, i), start=previous.result()))
+
+    def digest(self, i: int) -> Future:
+        return self._digests[i]
+
+    def check(self, i: int, recorded: str | None) -> None:
+        """A finished layer is kept only if the source up to it is still what it was made from."""
+        if recorded is not None and self._digests[i].result() != recorded:
+            from quantkit.convert.dst import DifferentRun
+
+            raise DifferentRun(f"the source changed since this run started: decoder layer {i} or one before it no "
+                               "longer holds the bytes its finished calibration was made from; use --force to start "
+                               "over", self.ckpt.root, f"model.layers.{i}")
+
+    def __enter__(self) -> "SourceChain":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(cancel_futures=True)
+        self._reader.close()
+
+
 def finished(path: Path, manifest: Manifest, i: int) -> bool:
     record = manifest.calibrated_layers.get(str(i))
     return record is not None and record.matches(path)
@@ -241,11 +285,13 @@ class LayerFiles:
     def __init__(self, dst: Path, manifest: Manifest, on_recorded: Callable[[int], None]):
         self.dst, self.manifest, self.on_recorded = dst, manifest, on_recorded
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-layer-write")
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, Future | None] | None = None
 
     def write(self, i: int, path: Path, tensors: dict[str, torch.Tensor],
-              records: dict[str, CalibratedModuleRecord], first: Callable[[], None] | None = None) -> None:
-        """``first``: what must be on disk before the layer is (SignRound's quantized outputs), written beside it."""
+              records: dict[str, CalibratedModuleRecord], first: Callable[[], None] | None = None,
+              source: Future | None = None) -> None:
+        """``first``: what must be on disk before the layer is (SignRound's quantized outputs), written beside it;
+        ``source``: the digest of the source the layer was made from (``SourceChain``)."""
         meta = {m: r.model_dump() for m, r in records.items()}
         self.wait()  # one layer in flight: the host holds at most two layers' packed weights
 
@@ -255,15 +301,16 @@ class LayerFiles:
             return write_safetensors(path, tensors, {"format": "pt", "quantkit_calibrated": json.dumps(meta)})
 
         self.manifest.calibrated_modules.update(records)
-        self._pending = (i, self._pool.submit(both))
+        self._pending = (i, self._pool.submit(both), source)
 
     def wait(self) -> None:
         if self._pending is None:
             return
-        i, future = self._pending
+        i, future, source = self._pending
         self._pending = None
         written = future.result()
-        self.manifest.calibrated_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size)
+        self.manifest.calibrated_layers[str(i)] = ShardRecord(sha256=written.sha256, size=written.size,
+                                                              source_digest=source.result() if source else None)
         self.manifest.save(self.dst)
         self.on_recorded(i)
 
