@@ -306,12 +306,15 @@ def verify_cmd(
     tp: TpOpt = VERIFY.tp,
     smoke: Annotated[bool, typer.Option("--smoke/--no-smoke", help="Load and run small models; meta-check large "
                                                                    "ones.")] = VERIFY.smoke,
+    plan_file: Annotated[Optional[Path], typer.Option("--plan", help="plan --json's output for this conversion: the "
+                                                                     "output must weigh what it predicted.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check structure, numbers, integrity and engine rules; exit 0 only when everything passes."""
-    from quantkit.verify import verify
+    from quantkit.verify import planned_bytes_of, verify
 
-    report = verify(path, source=source, engine=engine, tp=tp, smoke=smoke)
+    report = verify(path, source=source, engine=engine, tp=tp, smoke=smoke,
+                    planned_bytes=planned_bytes_of(plan_file) if plan_file else None)
     if json_out:
         _emit_json(report)
     else:

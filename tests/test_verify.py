@@ -17,6 +17,7 @@ from quantkit.packaged import recipe_path
 from quantkit.verify import verify
 
 EXPERT = "model.layers.2.mlp.experts.3.down_proj"
+runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +204,44 @@ def test_large_models_get_the_meta_structure_check(converted, glm_out, monkeypat
     rewrite(glm_out, "model.layers.1.self_attn.o_proj.weight", lambda w: w[:, :128].contiguous())
     smoke = rules_of(verify(glm_out), "smoke")
     assert any("model.layers.1.self_attn.o_proj.weight: shape [256, 128]" in f.message for f in smoke)
+
+
+def _store_unpacked_copies(folder, every: int = 1) -> list[str]:
+    """What AutoRound's resume shipped (its issues 2349 and 2350): the INT4 modules' full-precision weights kept in an
+    extra shard beside their packed ones, listed in the index."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    packed = sorted(n for n in index["weight_map"] if n.endswith(".weight_packed"))[::every]
+    extra = {}
+    for name in packed:
+        module = name.removesuffix(".weight_packed")
+        rows, cols = load_file(shard_of(folder, f"{module}.weight_shape"))[f"{module}.weight_shape"].tolist()
+        extra[f"{module}.weight"] = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    write_safetensors(folder / "model-extra.safetensors", extra)
+    index["weight_map"].update({n: "model-extra.safetensors" for n in extra})
+    index_path.write_text(json.dumps(index))
+    return sorted(extra)
+
+
+def test_a_module_stored_both_packed_and_unpacked_is_refused(glm_out):
+    planted = _store_unpacked_copies(glm_out, every=7)
+    report = verify(glm_out, smoke=False)
+    twice = [f for f in rules_of(report, "structure") if "never both" in f.rule]
+    assert [f.tensor for f in twice] == planted
+    assert "model-extra.safetensors" in twice[0].message and not report.passed
+
+
+def test_the_output_must_weigh_what_plan_predicted(synthetic, converted, glm_out, tmp_path):
+    plan_json = tmp_path / "plan.json"
+    made = runner.invoke(app, ["plan", str(synthetic["glm_moe_dsa"]), "-r", RECIPE_FOR["glm_moe_dsa"], "--json"])
+    assert made.exit_code == 0, made.output
+    plan_json.write_text(made.stdout)
+    ok = runner.invoke(app, ["verify", str(converted["glm_moe_dsa"]), "--plan", str(plan_json), "--no-smoke"])
+    assert ok.exit_code == 0 and "1 planned size" in ok.output, ok.output
+    _store_unpacked_copies(glm_out)
+    bad = runner.invoke(app, ["verify", str(glm_out), "--plan", str(plan_json), "--no-smoke", "--json"])
+    assert bad.exit_code == 1
+    sized = [f for f in json.loads(bad.stdout)["findings"] if "plan predicted" in f["rule"]]
+    assert len(sized) == 1 and "planned (" in sized[0]["message"], sized
+    not_a_plan = runner.invoke(app, ["verify", str(glm_out), "--plan", str(tmp_path / "nothing.json")])
+    assert not_a_plan.exit_code == 1 and "nothing.json" in not_a_plan.output and "Traceback" not in not_a_plan.output

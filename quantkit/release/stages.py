@@ -167,10 +167,11 @@ def _calibrate(chain: Chain) -> Outcome:
 
 
 def _verify(chain: Chain) -> Outcome:
-    from quantkit.verify import verify
+    from quantkit.verify import planned_bytes_of, verify
 
     v = chain.config.verify
-    report = verify(chain.model, source=chain.source, engine=v.engine, tp=v.tp, smoke=v.smoke)
+    report = verify(chain.model, source=chain.source, engine=v.engine, tp=v.tp, smoke=v.smoke,
+                    planned_bytes=planned_bytes_of(chain.work / "plan.json"))
     write_json(chain.work / "verify.json", report)
     if not report.passed:
         raise QuantkitError(refused(report, chain.work / "verify.json"))

@@ -26,9 +26,24 @@ from quantkit.verify.findings import Finding, TensorError, VerifyReport, tensor_
 from quantkit.verify.integrity import integrity
 from quantkit.verify.numbers import kv_scale_values, not_the_source, numbers, same_modules
 from quantkit.verify.smoke import smoke_findings
-from quantkit.verify.structure import stored_modules, structure
+from quantkit.verify.structure import planned_size, stored_modules, structure
 
-__all__ = ["Finding", "TensorError", "VerifyReport", "tensor_error", "verify"]
+__all__ = ["Finding", "TensorError", "VerifyReport", "planned_bytes_of", "tensor_error", "verify"]
+
+
+def planned_bytes_of(plan_file: str | os.PathLike) -> int:
+    """The converted size a saved plan (``plan --json``, a release's plan.json) predicted."""
+    import json
+    from pathlib import Path
+
+    path = Path(plan_file)
+    try:
+        after = json.loads(path.read_text()).get("bytes_after")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise QuantkitError(f"not a readable plan ({exc.__class__.__name__})", path) from None
+    if not isinstance(after, int) or isinstance(after, bool) or after <= 0:
+        raise QuantkitError("not a plan with a recipe (no bytes_after): run plan with --recipe --json", path)
+    return after
 
 
 def verify(
@@ -38,9 +53,11 @@ def verify(
     engine: str | EngineRules = VERIFY.engine,
     tp: int = VERIFY.tp,
     smoke: bool = VERIFY.smoke,
+    planned_bytes: int | None = None,
 ) -> VerifyReport:
     """Check the converted checkpoint at PATH for ``engine`` at tensor-parallel size ``tp``; with ``source``, its
-    numbers against the checkpoint it was made from; with ``smoke``, a load and a forward pass."""
+    numbers against the checkpoint it was made from; with ``smoke``, a load and a forward pass; with
+    ``planned_bytes`` (``plan``'s ``bytes_after``), its size."""
     started = time.perf_counter()
     rules = engine if isinstance(engine, EngineRules) else engine_rules(engine)
     findings: list[Finding] = []
@@ -58,6 +75,9 @@ def verify(
     remarks = [f"asymmetric INT4: {rules.asymmetric}"] if any(n.endswith(".weight_zero_point") for n in ckpt.tensors) \
         else []
     findings += structure(ckpt, stored)
+    if planned_bytes is not None:
+        findings += planned_size(ckpt, planned_bytes)
+        checked["planned size"] = 1
     findings += engine_findings(ckpt, stored, rules, tp)
     findings += names_load(ckpt, rules.name, checked, notes)
     findings += schemes_chosen(ckpt, stored, rules.name, tp, checked, notes)

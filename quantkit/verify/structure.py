@@ -73,6 +73,11 @@ def stored_modules(ckpt: Checkpoint, findings: list[Finding]) -> dict[str, Store
                 if f"{module}.weight_g_idx" in ckpt.tensors:
                     findings.append(Finding("engine", "no g_idx (act-order) for MoE kernels", "weight_g_idx "
                             "present", name, info.file))
+            elif param == "weight" and f"{module}.weight_packed" in ckpt.tensors:
+                packed = ckpt.tensors[f"{module}.weight_packed"]
+                findings.append(Finding("structure", "a module is stored once: packed or unpacked, never both",
+                                        f"weight {info.dtype}{list(info.shape)} in {info.file} beside weight_packed "
+                                        f"in {packed.file}", name, info.file))
             elif param == "weight" and len(info.shape) == 2:
                 kind = "fp8" if info.dtype.startswith("F8") else "float"
                 if kind == "fp8":
@@ -109,6 +114,22 @@ def _fp8_scale_problem(ckpt: Checkpoint, module: str, weight, described) -> tupl
         want = expected_scale_shape((rows, cols), (int(b[0]), int(b[1])))
     got = tuple(ckpt.tensors[name].shape)
     return (f"{list(got)}, expected {list(want)} for weight [{rows}, {cols}]", name) if got != want else None
+
+
+SIZE_BAND = 0.01  # plan's prediction is exact to the byte; the band covers shards written by another layout
+
+
+def planned_size(ckpt: Checkpoint, planned: int) -> list[Finding]:
+    """The output's weight shards weigh what ``plan`` predicted for its source and recipe, within SIZE_BAND: an
+    artifact that stores something twice or keeps a stale shard is several times too large."""
+    from quantkit.kv.calibrate import SCALES_SHARD
+
+    stored = sum(s.size for s in ckpt.shards if s.name != SCALES_SHARD)  # calibrate-kv's scales: after the plan
+    if planned > 0 and abs(stored - planned) <= SIZE_BAND * planned:
+        return []
+    return [Finding("structure", f"the output weighs what plan predicted, within {SIZE_BAND:.0%}",
+                    f"{stored:,} bytes against {planned:,} planned ({stored / max(planned, 1):.2f}x)",
+                    None, str(ckpt.root))]
 
 
 def structure(ckpt: Checkpoint, stored: dict[str, Stored]) -> list[Finding]:
