@@ -36,14 +36,21 @@ def suite(tmp_path, tasks, margin=1.0, **extra):
 
 def passing_verdict(model, folder):
     """FOLDER/gate/verdict.json: two equal runs of 200 ARC-Easy items gated at a 5-point margin, the candidate's
-    run recording MODEL's files as what it ships (what publish checks them against)."""
+    run recording MODEL's files as what it ships and the baseline's the checkpoint MODEL was converted from (what
+    publish checks them against), as eval records them."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.evaluation import model_checksums
 
     base = write_run(folder / "base", {"arc_easy": [1, 0, 1, 1] * 50})
     cand = write_run(folder / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
     meta = json.loads((cand / "run.json").read_text())
     meta["model_checksums"] = model_checksums(model)
+    meta["model_fingerprint"] = open_checkpoint(model).fingerprint()
     (cand / "run.json").write_text(json.dumps(meta))
+    meta = json.loads((base / "run.json").read_text())
+    meta["model_fingerprint"] = load_manifest(model).source_fingerprint
+    (base / "run.json").write_text(json.dumps(meta))
     gate(base, cand, suite=suite(folder, ["arc_easy"], margin=5.0), report_dir=folder / "gate")
     return folder / "gate" / "verdict.json"
 

@@ -162,3 +162,22 @@ def test_the_hub_gets_exactly_the_files_the_gate_bound(gated):
     uploaded = hub.calls[-1][2]["files"]
     assert sorted(uploaded) == sorted(f["name"] for f in result.files)
     assert set(uploaded) == set(verdict_data["candidate_checksums"]) | {"README.md"}  # the bound files and the card
+
+
+def test_a_verdict_whose_baseline_is_not_the_models_source_is_refused(gated, synthetic, tmp_path):
+    """`gate RUN RUN` passes at delta 0; the card would then say the release was tested against the original."""
+    dst, verdict = gated
+    cand = tmp_path / "cand"
+    gate(cand, cand, suite=tmp_path / "suite.yaml", report_dir=tmp_path / "self")
+    with pytest.raises(PublishRefused, match="baseline run evaluated .*not .*converted from"):
+        publish(dst, "file://" + str(tmp_path / "out-self"), gate=tmp_path / "self" / "verdict.json")
+    # a baseline of another model: the DeepSeek-V3 synthetic checkpoint's fingerprint
+    from quantkit.checkpoint.reader import open_checkpoint
+
+    base = json.loads((tmp_path / "base" / "run.json").read_text())
+    base["model_fingerprint"] = open_checkpoint(synthetic["deepseek_v3"]).fingerprint()
+    (tmp_path / "base" / "run.json").write_text(json.dumps(base))
+    gate(tmp_path / "base", cand, suite=tmp_path / "suite.yaml", report_dir=tmp_path / "other")
+    with pytest.raises(PublishRefused, match="not .*the model this checkpoint was converted from"):
+        publish(dst, "file://" + str(tmp_path / "out-other"), gate=tmp_path / "other" / "verdict.json")
+    assert not (tmp_path / "out-self").exists() and not (tmp_path / "out-other").exists()

@@ -64,6 +64,9 @@ class EngineRecord(_Strict):
 class RunRecord(_Strict):
     model: str
     model_checksums: dict[str, str]  # every file that ships with the model -> sha256
+    # the evaluated checkpoint as a conversion's manifest names its source (Checkpoint.fingerprint): what binds a
+    # baseline run to the model a candidate was converted from; None for runs before quantkit recorded it
+    model_fingerprint: str | None = None
     model_family: dict | None = None
     lm_eval_version: str | None = None
     tasks: dict[str, TaskIdentity]

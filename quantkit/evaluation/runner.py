@@ -85,6 +85,7 @@ def _provenance(run: EvalRun) -> dict:
     return {
         "model": str(run.path.resolve()),
         "model_checksums": model_checksums(run.path),
+        "model_fingerprint": _fingerprint(run.path),
         "model_family": model_family(run.path),
         "lm_eval_version": lm_eval.__version__,
         "tasks": task_identities(run.configs, run.settings.limit, run.fraction),
@@ -92,6 +93,15 @@ def _provenance(run: EvalRun) -> dict:
         "chat_template_applied": False,
         "seeds": SEEDS,
     }
+
+
+def _fingerprint(model: Path) -> str | None:
+    from quantkit.checkpoint.reader import open_checkpoint
+
+    try:
+        return open_checkpoint(model).fingerprint()
+    except QuantkitError:  # a model folder no conversion could have come from: nothing to bind a baseline to
+        return None
 
 
 def _write_task_files(configs: dict[str, TaskConfig], folder: Path) -> list[str]:

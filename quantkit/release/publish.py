@@ -115,6 +115,7 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
     if not verdict.passed or not verdict.tasks or not all(t.passed for t in verdict.tasks):
         failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
+    _baseline_is_the_source(dst, verdict, gate)
     recorded = verdict.candidate_checksums
     shipped = {f["name"] for f in shipped_files(dst) if f["name"] != CARD_NAME}
     for name in sorted(set(recorded) - shipped):
@@ -125,6 +126,24 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
         if sha256_file(dst / name) != recorded[name]:
             raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", dst / name)
     return verdict
+
+
+def _baseline_is_the_source(dst: Path, verdict: GateReport, gate: Path) -> None:
+    """The card says the release was tested against the original: the verdict's baseline run must have evaluated
+    the checkpoint DST was converted from (its manifest names it), not DST itself or any other model."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.evaluation.run_dir import read_run_record
+
+    manifest = load_manifest(dst)
+    if manifest is None:
+        raise PublishRefused("has no quantkit manifest, so nothing says which model it was made from; a gated "
+                             "publish needs one (convert writes it)", dst)
+    baseline = read_run_record(Path(verdict.baseline))
+    if baseline.model_fingerprint != manifest.source_fingerprint:
+        what = ("a run that does not record which checkpoint it evaluated (re-run eval)"
+                if baseline.model_fingerprint is None else f"{baseline.model}")
+        raise PublishRefused(f"the gate's baseline run evaluated {what}, not {manifest.source_path}, the model "
+                             "this checkpoint was converted from; gate against a run of that model", gate)
 
 
 def _gate_again(verdict: GateReport, path: Path) -> GateReport:
