@@ -33,6 +33,8 @@ app = typer.Typer(
 # Off a terminal (a log, a pipe) Rich would wrap at 80 columns and cut file names: no wrapping there.
 out = Console(width=None if sys.stdout.isatty() else 10_000)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 10_000)
+# how the CLI names each calibrated algorithm of convert/calibrated's registry (a test holds the two equal)
+ALGORITHM_NAMES = {"gptq": "GPTQ", "signround": "SignRound"}
 _debug = {"on": os.environ.get("QUANTKIT_DEBUG", "") not in ("", "0")}
 
 
@@ -257,7 +259,7 @@ class _CalibratedLayerLog:
         rtn = f", {report.rtn} weight(s) RTN" if report.rtn else ""
         groups = f", experts in {report.expert_groups} groups" if report.expert_groups > 1 else ""
         peak = f", peak GPU {report.peak_device_bytes / 2**30:.1f} GiB" if report.peak_device_bytes else ""
-        name = {"gptq": "GPTQ", "signround": "SignRound"}.get(report.method, report.method)
+        name = ALGORITHM_NAMES.get(report.method, report.method)
         err.print(f"{name} layer {report.layer} ({self.seen}/{layers}): {state}{rtn}{groups}{peak}{eta}",
                   highlight=False)
 

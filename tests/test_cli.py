@@ -99,3 +99,13 @@ def test_plans_options_are_named_as_the_library_names_its_settings():
         assert cli_only.get(name, "--" + name.replace("_", "-")) in opts, (name, opts)
         assert name in PlanSettings.model_fields or name in cli_only, name
     assert set(PlanSettings.model_fields) <= set(options)
+
+
+def test_converts_help_names_every_calibrated_algorithm_the_registry_holds():
+    from quantkit.cli import ALGORITHM_NAMES
+    from quantkit.convert.calibrated import QUANTIZERS
+
+    assert set(ALGORITHM_NAMES) == set(QUANTIZERS)
+    shown = runner.invoke(app, ["convert", "--help"], terminal_width=200).output
+    for name in ALGORITHM_NAMES.values():
+        assert name in shown, name
