@@ -440,3 +440,31 @@ def test_the_shipped_recipe_on_a_gpu_is_as_good_as_llm_compressors_oneshot(smoll
     worse = [i for i, (mine, theirs) in enumerate(zip(errors["ours"], errors["oneshot"], strict=True))
              if mine > theirs * (1 + spread)]
     assert not worse, f"layers {worse}: MLP output error above oneshot's beyond its run-to-run spread ({spread:.2%})"
+
+
+def test_a_group_out_of_memory_is_tuned_again_in_halves_with_its_memory_given_back(glm5, tmp_path, monkeypatch):
+    """The plan's estimate can be short: the group is tuned again in halves, and by then nothing of the failed
+    attempt is still held (its tensors go back to the cache, and the cache to the device, before the halves)."""
+    import weakref
+
+    from quantkit.convert.calibrated.signround import _ExpertGroups
+
+    tune_group = _ExpertGroups._tune_group
+    held: list = []
+    sizes: list[int] = []
+
+    def short_of_memory(self, group, parts, reference):
+        sizes.append(len(group))
+        assert all(ref() is None for ref in held), "the failed group's tensors are still held"
+        if len(group) == 8:
+            state = torch.ones(1024)  # what a failing tuning step holds when it runs out
+            held.append(weakref.ref(state))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.47 GiB.")
+        return tune_group(self, group, parts, reference)
+
+    monkeypatch.setattr(_ExpertGroups, "_tune_group", short_of_memory)
+    layers = []
+    result = convert(glm5, tmp_path / "sr", signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32"),
+                     device="cpu", on_layer=lambda r, n: layers.append(r))
+    assert sizes == [8, 4, 4] * 2 and [r.expert_groups for r in layers] == [2, 2]
+    assert result.calibrated["weights_by_method"] == {"signround": 48, "rtn": 24}

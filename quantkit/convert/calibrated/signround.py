@@ -353,14 +353,19 @@ class _ExpertGroups:
         tensors: dict[str, torch.Tensor] = {}
         done = 0
         while todo:
-            group = todo.pop(0)
+            group, short = todo.pop(0), False
             try:
                 with self.phases("tune"):
                     loss, marked = self._tune_group(group, parts, reference)
             except torch.cuda.OutOfMemoryError:
                 if len(group) == 1:
                     raise
-                torch.cuda.empty_cache()  # the plan's estimate was short: the group again, in halves
+                short = True  # the plan's estimate was short: the group again, in halves
+            if short:
+                # out of the except clause, whose traceback held the failed group's tensors: now the cache can give
+                # their blocks back, and the halves' other shapes do not fragment what is left
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 todo[:0] = [group[:len(group) // 2], group[len(group) // 2:]]
                 continue
             done += 1
