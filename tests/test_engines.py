@@ -226,3 +226,28 @@ def test_the_server_command_is_part_of_the_runs_setup(smollm2_bf16, tmp_path):
                      engine_cmd=standin("hash") + " --random-seed 0", batch_size=1)
     with pytest.raises(CannotCompare, match="engine.args.command"):
         gate(first.run_dir, other.run_dir)
+
+
+def test_an_engine_that_serves_the_checkpoint_unquantized_is_caught_after_boot(smollm2_bf16, tmp_path):
+    """The served model must be the gated one: the probe's answers nearer quantkit's decoding of the INT4 checkpoint
+    than of its source pass; an engine that dropped the quantization (the stand-in serving the manifest's source
+    under the checkpoint's name) fails, run.json says so, and the gate refuses the run."""
+    from quantkit.convert import convert
+
+    int4 = tmp_path / "int4"
+    convert(smollm2_bf16, int4, "dense-mlp-w4a16-g32", device="cpu")
+    runs = {}
+    for mode in ("model", "unquantized"):
+        runs[mode] = tmp_path / mode
+        evaluate(int4, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=2, out=runs[mode],
+                 engine_cmd=standin(mode))
+    probes = {mode: json.loads((run / "run.json").read_text())["probe"] for mode, run in runs.items()}
+    assert probes["model"]["status"] == "pass", probes["model"]
+    assert probes["unquantized"]["status"] == "fail", probes["unquantized"]
+    assert probes["model"]["converted"] == probes["unquantized"]["converted"]  # quantkit's own decoding: the same
+    with pytest.raises(CannotCompare, match="did not serve the checkpoint it was given"):
+        gate(runs["model"], runs["unquantized"], margin=100)
+    # the source itself, served: no manifest, nothing to tell apart
+    evaluate(smollm2_bf16, engine="sglang", tasks=["arc_easy"], data_dir=DATA, limit=2, out=tmp_path / "source",
+             engine_cmd=standin("model"))
+    assert json.loads((tmp_path / "source" / "run.json").read_text())["probe"]["status"] == "not checked"

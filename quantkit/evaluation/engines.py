@@ -40,16 +40,16 @@ class Started:
     url: str | None = None
     process: Any = None  # a server quantkit started (evaluation/sglang.py), checked when a request fails
 
-    def failed(self, task: str, exc: Exception) -> NoReturn:
-        """An error inside lm-eval: in-process it is the model's own and propagates; a server's is told in one line,
-        with the server's exit when it died."""
+    def failed(self, during: str, exc: Exception) -> NoReturn:
+        """An error inside lm-eval ``during`` a task or the probe: in-process it is the model's own and propagates; a
+        server's is told in one line, with the server's exit when it died."""
         from quantkit.evaluation.sglang import EngineError
 
         if self.url is None:
             raise exc
         if self.process is not None:
-            self.process.check_alive(f"during task {task}")
-        raise EngineError(f"{self.url} failed during task {task}: {_cause(exc)}") from exc
+            self.process.check_alive(f"during {during}")
+        raise EngineError(f"{self.url} failed during {during}: {_cause(exc)}") from exc
 
 
 class Engine:

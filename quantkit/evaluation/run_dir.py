@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quantkit.checkpoint.writer import write_bytes_atomic
 from quantkit.errors import CannotCompare, QuantkitError, field_error
+from quantkit.evaluation.probe import ProbeRecord
 
 RUN_NAME = "run.json"
 RESULTS_NAME = "results.json"
@@ -75,6 +76,7 @@ class RunRecord(_Strict):
     seeds: dict[str, int] = Field(default_factory=dict)
     engine: EngineRecord
     server: dict | None = None
+    probe: ProbeRecord | None = None  # a server engine's answers after boot, against quantkit's decoding (probe.py)
 
 
 class SampleRecord(_Strict):

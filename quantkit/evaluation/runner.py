@@ -22,6 +22,7 @@ from quantkit.evaluation.identity import (
     model_family,
     previous_run,
 )
+from quantkit.evaluation.probe import probe
 from quantkit.evaluation.run_dir import (
     RunRecord,
     SampleRecord,
@@ -50,7 +51,13 @@ def evaluate_into(run: EvalRun, run_dir: Path, attempt: int) -> dict[str, TaskSc
         task_folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-tasks-")))
         names = _write_task_files(run.configs, task_folder)
         engine = ENGINES[run.settings.engine].start(run, run_dir, stack)
-        record = RunRecord(**provenance, engine=engine.record, server=engine.server)
+        checked = None
+        if engine.url is not None:  # a server's load, checked (evaluation/probe.py)
+            try:
+                checked = probe(engine.lm, run.path)
+            except Exception as exc:  # noqa: BLE001 - a server's failure, in one line
+                engine.failed("the post-boot probe", exc)
+        record = RunRecord(**provenance, engine=engine.record, server=engine.server, probe=checked)
         check_same_run(run_dir, previous, record)
         cache = RequestCache(cache_dir / "requests.jsonl", cache_binding(record, attempt))
         write_run_record(run_dir, record)
@@ -71,7 +78,7 @@ def evaluate_into(run: EvalRun, run_dir: Path, attempt: int) -> dict[str, TaskSc
             except (QuantkitError, KeyboardInterrupt):
                 raise
             except Exception as exc:
-                engine.failed(task, exc)
+                engine.failed(f"task {task}", exc)
             scores[task] = _task_samples(run_dir, task, result["samples"][name], result["results"][name],
                                          run.tokenizer)
     write_scores(run_dir, scores)

@@ -77,6 +77,10 @@ def gate(
     except QuantkitError as exc:  # CannotCompare is one: raised again as it was
         raise exc if isinstance(exc, CannotCompare) else CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(baseline), read_run_record(candidate)
+    for record, folder in ((base_record, baseline), (cand_record, candidate)):
+        if record.probe is not None and record.probe.status == "fail":
+            raise CannotCompare(f"its engine did not serve the checkpoint it was given ({record.probe.reason}): "
+                                "its scores are another model's", folder / "run.json")
     for record in (base_record, cand_record) if report_dir is not None else ():  # never into a model folder:
         if record.model and Path(record.model).is_dir():  # its checksums would change, the next convert copy it
             refuse_inside(Path(record.model), Path(report_dir or ""), "--report")

@@ -7,7 +7,7 @@ noise run against the baseline.
 from __future__ import annotations
 
 # Provenance fields allowed to differ between baseline and candidate: what is compared and where it was served.
-MODEL_FIELDS = ("model", "model_checksums", "model_fingerprint", "created", "server")
+MODEL_FIELDS = ("model", "model_checksums", "model_fingerprint", "created", "server", "probe")
 
 
 def provenance_differences(a: dict, b: dict, prefix: str = "") -> list[str]:

@@ -12,6 +12,8 @@ log-likelihoods, greedy generation with stop strings), and like SGLang it runs a
   malformed        /v1/completions answers a body that is not JSON
   filler           the real model's answers, each followed by unrelated text worth half its tokens (x1.5)
   loop             the real model's answers, except that one prompt in two loops to the token limit
+  unquantized      real log-probabilities of the source the checkpoint's manifest names, under the checkpoint's name
+                   (an engine that loaded a quantized checkpoint unquantized)
 """
 
 from __future__ import annotations
@@ -150,7 +152,12 @@ def serve(args) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
-    scorer = Scorer(args.model_path, real=(mode == "model" or mode in PLANTED), answers_file=args.standin_answers)
+    weights = args.model_path
+    if mode == "unquantized":  # the source the manifest names, as an engine that dropped the quantization serves it
+        with open(os.path.join(args.model_path, "quantkit-manifest.json")) as f:
+            weights = json.load(f)["source_path"]
+    scorer = Scorer(weights, real=(mode in ("model", "unquantized") or mode in PLANTED),
+                    answers_file=args.standin_answers)
     served = {"n": 0}
     name = os.path.basename(os.path.normpath(args.model_path))
 
