@@ -181,3 +181,21 @@ def test_a_verdict_whose_baseline_is_not_the_models_source_is_refused(gated, syn
     with pytest.raises(PublishRefused, match="not .*the model this checkpoint was converted from"):
         publish(dst, "file://" + str(tmp_path / "out-other"), gate=tmp_path / "other" / "verdict.json")
     assert not (tmp_path / "out-self").exists() and not (tmp_path / "out-other").exists()
+
+
+def test_a_candidate_run_copied_from_the_baseline_with_the_models_checksums_is_refused(gated, tmp_path):
+    """A forged candidate: the baseline's run folder copied, DST's checksums written into its run.json, no
+    evaluation of DST at all. It gates (the same answers pass), and publish refuses it: the run records the source's
+    checkpoint, not DST's."""
+    from quantkit.evaluation import model_checksums
+
+    dst, _ = gated
+    forged = tmp_path / "forged"
+    shutil.copytree(tmp_path / "base", forged)
+    meta = json.loads((forged / "run.json").read_text())
+    meta["model_checksums"] = model_checksums(dst)
+    (forged / "run.json").write_text(json.dumps(meta))
+    gate(tmp_path / "base", forged, suite=tmp_path / "suite.yaml", report_dir=tmp_path / "forged-gate")
+    with pytest.raises(PublishRefused, match="candidate run does not record an evaluation of this checkpoint"):
+        publish(dst, "file://" + str(tmp_path / "out"), gate=tmp_path / "forged-gate" / "verdict.json")
+    assert not (tmp_path / "out").exists()

@@ -115,7 +115,6 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
     if not verdict.passed or not verdict.tasks or not all(t.passed for t in verdict.tasks):
         failed = [t.task for t in verdict.tasks if not t.passed]
         raise PublishRefused(f"the gate failed ({', '.join(failed) or 'no task passed'}); nothing is published", gate)
-    _baseline_is_the_source(dst, verdict, gate)
     recorded = verdict.candidate_checksums
     shipped = {f["name"] for f in shipped_files(dst) if f["name"] != CARD_NAME}
     for name in sorted(set(recorded) - shipped):
@@ -125,19 +124,29 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
     for name in sorted(shipped):
         if sha256_file(dst / name) != recorded[name]:
             raise PublishRefused(f"changed since it was gated (sha256 differs from {gate})", dst / name)
+    _runs_are_of_this_model(dst, verdict, gate)
     return verdict
 
 
-def _baseline_is_the_source(dst: Path, verdict: GateReport, gate: Path) -> None:
-    """The card says the release was tested against the original: the verdict's baseline run must have evaluated
-    the checkpoint DST was converted from (its manifest names it), not DST itself or any other model."""
+def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
+    """The card says the release was tested against the original: the verdict's candidate run must have evaluated
+    DST (its checkpoint fingerprint; its post-boot probe, when a server ran it, not failed) and its baseline run the
+    checkpoint DST was converted from (its manifest names it), not DST itself or any other model."""
     from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.evaluation.run_dir import read_run_record
 
     manifest = load_manifest(dst)
     if manifest is None:
         raise PublishRefused("has no quantkit manifest, so nothing says which model it was made from; a gated "
                              "publish needs one (convert writes it)", dst)
+    candidate = read_run_record(Path(verdict.candidate))
+    if candidate.model_fingerprint != open_checkpoint(dst).fingerprint():  # a baseline's run copied, checksums edited
+        raise PublishRefused("the gate's candidate run does not record an evaluation of this checkpoint (its "
+                             "checkpoint fingerprint is another model's, or none); evaluate this folder and gate "
+                             "again", gate)
+    if candidate.probe is not None and candidate.probe.status == "fail":
+        raise PublishRefused(f"the gate's candidate run was served another model: {candidate.probe.reason}", gate)
     baseline = read_run_record(Path(verdict.baseline))
     if baseline.model_fingerprint != manifest.source_fingerprint:
         what = ("a run that does not record which checkpoint it evaluated (re-run eval)"
