@@ -77,10 +77,7 @@ def gate(
     except QuantkitError as exc:  # CannotCompare is one: raised again as it was
         raise exc if isinstance(exc, CannotCompare) else CannotCompare(exc.message, exc.file, exc.tensor) from exc
     base_record, cand_record = read_run_record(baseline), read_run_record(candidate)
-    for record, folder in ((base_record, baseline), (cand_record, candidate)):
-        if record.probe is not None and record.probe.status == "fail":
-            raise CannotCompare(f"its engine did not serve the checkpoint it was given ({record.probe.reason}): "
-                                "its scores are another model's", folder / "run.json")
+    _served_as_given((base_record, baseline), (cand_record, candidate))
     for record in (base_record, cand_record) if report_dir is not None else ():  # never into a model folder:
         if record.model and Path(record.model).is_dir():  # its checksums would change, the next convert copy it
             refuse_inside(Path(record.model), Path(report_dir or ""), "--report")
@@ -139,6 +136,14 @@ def gate(
             raise CannotCompare("the report folder is a file", Path(report_dir))
         report.report_files = [str(p) for p in write_gate_report(report, Path(report_dir))]
     return report
+
+
+def _served_as_given(*runs) -> None:
+    """A run whose post-boot probe failed measured another model than the one it names (evaluation/probe.py)."""
+    for record, folder in runs:
+        if record.probe is not None and record.probe.status == "fail":
+            raise CannotCompare(f"its engine did not serve the checkpoint it was given ({record.probe.reason}): "
+                                "its scores are another model's", folder / "run.json")
 
 
 def _require_tasks(spec: Suite, *runs: tuple[RunRecord, str | os.PathLike]) -> None:
