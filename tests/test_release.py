@@ -45,16 +45,21 @@ def write_config(folder: Path, source: Path, **changes) -> Path:
     return path
 
 
+def kill_after(stage: str):
+    """An ``on_stage`` callback that stops the release, as a kill would, once ``stage`` is done."""
+
+    def stop(record):
+        if record.stage == stage:
+            raise KeyboardInterrupt
+
+    return stop
+
+
 @pytest.mark.slow  # the real SmolLM2 through every stage
 def test_killed_between_stages_resumes_at_the_next_stage(fp8_source, tmp_path):
     config = write_config(tmp_path, fp8_source)
-
-    def kill_after_verify(record):
-        if record.stage == "verify":
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        release(config, on_stage=kill_after_verify)
+        release(config, on_stage=kill_after("verify"))
     state = json.loads((tmp_path / "release-work" / "release-state.json").read_text())
     assert list(state["stages"]) == ["plan", "convert", "calibrate-kv", "verify"]
     with pytest.raises(QuantkitError, match="holds a release already; --resume"):
@@ -133,20 +138,15 @@ def test_a_source_revised_in_place_is_converted_again_on_resume(fp8_source, tmp_
     source = tmp_path / "source"
     shutil.copytree(fp8_source, source)
     config = write_config(tmp_path, source)
-
-    def kill_after_convert(record):
-        if record.stage == "convert":
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        release(config, on_stage=kill_after_convert)
+        release(config, on_stage=kill_after("convert"))
     model = tmp_path / "release-work" / "model"
     before = load_manifest(model).shards
     statuses = []
 
     def record_then_kill(record):
         statuses.append((record.stage, record.status))
-        kill_after_convert(record)
+        kill_after("convert")(record)
 
     with pytest.raises(KeyboardInterrupt):
         release(config, resume=True, on_stage=record_then_kill)

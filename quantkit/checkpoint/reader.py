@@ -29,6 +29,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 PINNED_MAX = 64 << 20  # tensors up to this size go to and from a GPU through pinned (cached) host memory
 HUB_FILE_LIMIT = 50 * 10**9  # the hub refuses larger files
+SCALES_SHARD = "kv-scales.safetensors"  # calibrate-kv's KV-cache scales, added to a converted checkpoint
 CARD_NAME = "README.md"  # the model card, which publish writes
 # Never shipped: upload state, partial files of an interrupted writer, the lock, RUN_DIRs kept beside the model.
 SHIP_IGNORE = [".cache/**", "*.partial", "*.tmp", ".*"]

@@ -31,18 +31,14 @@ class SourceDigest:
     def add(self, name: str, data) -> None:
         """``data``: the tensor's bytes (any buffer, or a torch tensor, whose storage is read as it lies)."""
         if hasattr(data, "numpy"):
-            data = data.reshape(-1).view(_uint8()).numpy()
+            import torch
+
+            data = data.reshape(-1).view(torch.uint8).numpy()
         self._h.update(name.encode() + b"\0")
         self._h.update(data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
-
-
-def _uint8():
-    import torch
-
-    return torch.uint8
 
 
 def tensors_digest(reader: TensorReader, names: list[str], start: str = "") -> str:

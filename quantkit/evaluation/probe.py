@@ -25,7 +25,6 @@ TEXTS = (
     ("Water boils at a temperature of", " one hundred degrees Celsius at sea level."),
     ("The sun rises in the east and", " sets in the west every day of the year."),
 )
-MAX_PARAMS = 2_000_000_000  # decoded on the CPU in FP32, twice: the smoke check's limit
 MIN_SEPARATION = 0.05  # nats per text: below it the converted and source decodings cannot be told apart
 
 
@@ -62,9 +61,10 @@ def probe(lm, model: Path) -> ProbeRecord:
     except QuantkitError:
         return ProbeRecord(status="not checked", reason=f"the source {source} cannot be read")
     from quantkit.checkpoint.inspection import inspect_checkpoint
+    from quantkit.verify.smoke import SMOKE_MAX_PARAMS  # what quantkit decodes whole on a CPU
 
-    if inspect_checkpoint(model).total_params > MAX_PARAMS:
-        return ProbeRecord(status="not checked", reason=f"over {MAX_PARAMS:,} parameters: not decoded on this "
+    if inspect_checkpoint(model).total_params > SMOKE_MAX_PARAMS:
+        return ProbeRecord(status="not checked", reason=f"over {SMOKE_MAX_PARAMS:,} parameters: not decoded on this "
                                                         "machine")
     served = [float(ll) for ll, _ in lm.loglikelihood(requests())]
     return judge(served, decode(model), decode(source))

@@ -51,14 +51,15 @@ def evaluate_into(run: EvalRun, run_dir: Path, attempt: int) -> dict[str, TaskSc
         task_folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-tasks-")))
         names = _write_task_files(run.configs, task_folder)
         engine = ENGINES[run.settings.engine].start(run, run_dir, stack)
-        checked = None
+        record = RunRecord(**provenance, engine=engine.record, server=engine.server)
+        check_same_run(run_dir, previous, record)  # before the probe decodes two models for a run it would refuse
         if engine.url is not None:  # a server's load, checked (evaluation/probe.py)
             try:
-                checked = probe(engine.lm, run.path)
-            except Exception as exc:  # noqa: BLE001 - a server's failure, in one line
+                record = record.model_copy(update={"probe": probe(engine.lm, run.path)})
+            except (QuantkitError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
                 engine.failed("the post-boot probe", exc)
-        record = RunRecord(**provenance, engine=engine.record, server=engine.server, probe=checked)
-        check_same_run(run_dir, previous, record)
         cache = RequestCache(cache_dir / "requests.jsonl", cache_binding(record, attempt))
         write_run_record(run_dir, record)
 

@@ -18,7 +18,7 @@ import torch
 from quantkit.calibration_data import DEFAULT_DATA, calibration_batches, model_tokenizer
 from quantkit.checkpoint.config import ModelConfig, Quantization
 from quantkit.checkpoint.families import detect_family
-from quantkit.checkpoint.reader import INDEX_NAME, TensorReader, open_checkpoint
+from quantkit.checkpoint.reader import INDEX_NAME, SCALES_SHARD, TensorReader, open_checkpoint
 from quantkit.checkpoint.writer import LOCK_NAME, folder_lock, refuse_inside
 from quantkit.compute_dtype import compute_dtype, dtype_name
 from quantkit.devices import resolve_device
@@ -30,7 +30,6 @@ from quantkit.layerwise import LayerWalk
 from quantkit.modeling import model_dtype
 from quantkit.settings import CALIBRATE
 
-SCALES_SHARD = "kv-scales.safetensors"
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 
 

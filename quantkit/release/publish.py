@@ -130,8 +130,8 @@ def check_gate(dst: Path, gate: str | os.PathLike | None, force_ungated: bool) -
 
 def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
     """The card says the release was tested against the original: the verdict's candidate run must have evaluated
-    DST (its checkpoint fingerprint; its post-boot probe, when a server ran it, not failed) and its baseline run the
-    checkpoint DST was converted from (its manifest names it), not DST itself or any other model."""
+    DST (its checkpoint fingerprint; a failed post-boot probe already stopped the gate run again above) and its
+    baseline run the checkpoint DST was converted from (its manifest names it), not DST itself or any other model."""
     from quantkit.checkpoint.manifest import load_manifest
     from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.evaluation.run_dir import read_run_record
@@ -145,8 +145,6 @@ def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
         raise PublishRefused("the gate's candidate run does not record an evaluation of this checkpoint (its "
                              "checkpoint fingerprint is another model's, or none); evaluate this folder and gate "
                              "again", gate)
-    if candidate.probe is not None and candidate.probe.status == "fail":
-        raise PublishRefused(f"the gate's candidate run was served another model: {candidate.probe.reason}", gate)
     baseline = read_run_record(Path(verdict.baseline))
     if baseline.model_fingerprint != manifest.source_fingerprint:
         what = ("a run that does not record which checkpoint it evaluated (re-run eval)"

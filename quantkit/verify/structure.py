@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from quantkit.checkpoint.describe import config_mismatches
 from quantkit.checkpoint.names import EXPERT
-from quantkit.checkpoint.reader import Checkpoint, TensorReader
+from quantkit.checkpoint.reader import SCALES_SHARD, Checkpoint, TensorReader
 from quantkit.verify.findings import Finding
 
 
@@ -122,8 +122,6 @@ SIZE_BAND = 0.01  # plan's prediction is exact to the byte; the band covers shar
 def planned_size(ckpt: Checkpoint, planned: int) -> list[Finding]:
     """The output's weight shards weigh what ``plan`` predicted for its source and recipe, within SIZE_BAND: an
     artifact that stores something twice or keeps a stale shard is several times too large."""
-    from quantkit.kv.calibrate import SCALES_SHARD
-
     stored = sum(s.size for s in ckpt.shards if s.name != SCALES_SHARD)  # calibrate-kv's scales: after the plan
     if planned > 0 and abs(stored - planned) <= SIZE_BAND * planned:
         return []
