@@ -135,6 +135,41 @@ def test_the_checks_catch_what_they_look_for(planted, monkeypatch):
         assert any(layer(b) > layer(a) for a, targets in graph.items() for b in targets)
 
 
+def face_facts(modules: dict[str, Path]) -> list[str]:
+    """``module -> package.NAME`` for each import of a value that a package's ``__init__.py`` assigns (a constant,
+    not a function, a class or something it imports) by a module outside that package: a package face offers
+    entry points and the types they take; a fact other packages share lives in a module named for it."""
+    packages = {name: path for name, path in modules.items() if path.name == "__init__.py"}
+    assigned = {}
+    for name, path in packages.items():
+        tree = ast.parse(path.read_text())
+        assigned[name] = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                          for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                          if isinstance(t, ast.Name)}
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in packages:
+                inside = name == node.module or name.startswith(node.module + ".")
+                found += [f"{name} -> {node.module}.{a.name}" for a in node.names
+                          if not inside and a.name in assigned[node.module]]
+    return sorted(found)
+
+
+def test_no_module_imports_a_fact_from_another_packages_face():
+    assert face_facts(MODULES) == []
+
+
+def test_a_planted_import_of_a_face_fact_is_found(tmp_path):
+    (tmp_path / "quantkit" / "a").mkdir(parents=True)
+    (tmp_path / "quantkit" / "a" / "__init__.py").write_text("from quantkit.a.b import f\nLIMIT = 3\ndef g(): pass\n")
+    (tmp_path / "quantkit" / "a" / "b.py").write_text("from quantkit.a import LIMIT\ndef f(): return LIMIT\n")
+    (tmp_path / "quantkit" / "c.py").write_text("from quantkit.a import LIMIT, f, g\n")
+    planted = {"quantkit.a": tmp_path / "quantkit" / "a" / "__init__.py", "quantkit.a.b": tmp_path / "quantkit" / "a" / "b.py",
+               "quantkit.c": tmp_path / "quantkit" / "c.py"}
+    assert face_facts(planted) == ["quantkit.c -> quantkit.a.LIMIT"]  # its own package may; f, g are entry points
+
+
 # A family of names has one compiled pattern, in checkpoint/names.py: the regex source text that spells each family
 NAME_FAMILIES = {"a decoder layer's": r"model\\.layers\\.", "a routed expert's": r"(?<![a-z_])experts\)?\\.(\(|\\d)",
                  "an FP8 KV-cache scale's": r"\[kv\]\)?_scale"}

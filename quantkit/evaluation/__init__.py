@@ -26,15 +26,13 @@ from quantkit.errors import QuantkitError, field_error
 from quantkit.evaluation.engines import ENGINES, engine_settings
 from quantkit.evaluation.eval_run import EvalRun
 from quantkit.evaluation.identity import cache_binding, finished_run, model_checksums
-from quantkit.evaluation.run_dir import Order, RunRecord
+from quantkit.evaluation.run_dir import REPEAT_DIR, Order, RunRecord
 from quantkit.evaluation.runner import evaluate_into
 from quantkit.evaluation.tasks import TASKS, task_configs, task_spec
 from quantkit.settings import EvalSettings
 
 __all__ = ["REPEAT_DIR", "EvalResult", "RunRecord", "cache_binding", "engine_settings", "evaluate", "finished_run",
            "model_checksums", "task_spec"]
-
-REPEAT_DIR = "repeat-2"  # RUN_DIR/repeat-2: the second run of ``--repeat 2`` (gate's default noise run)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from quantkit.evaluation.probe import ProbeRecord
 
 RUN_NAME = "run.json"
 RESULTS_NAME = "results.json"
+REPEAT_DIR = "repeat-2"  # RUN_DIR/repeat-2: the second run of ``--repeat 2`` (gate's default noise run)
 MAX_SAMPLE_FILE_BYTES = 1 << 30
 ORDER_SEED = 20140923  # the one seeded order of a task's items (sequential gating evaluates its prefixes)
 

@@ -187,7 +187,8 @@ def refused(report, saved: Path) -> str:
 
 def _eval_baseline(chain: Chain) -> Outcome:
     from quantkit.devices import resolve_device
-    from quantkit.evaluation import REPEAT_DIR, engine_settings, finished_run
+    from quantkit.evaluation import engine_settings, finished_run
+    from quantkit.evaluation.run_dir import REPEAT_DIR
 
     ev, run = chain.config.eval, chain.baseline_run
     data_dir = chain.resolve(ev.data_dir)
@@ -284,7 +285,7 @@ def _model_files(chain: Chain) -> tuple[list[Path], dict[str, str]]:
 
 def _run_files(run_dir: Path, tasks: list[str], repeat: int) -> list[Path]:
     """What the gate reads of an evaluation run (its provenance, scores and per-item records), and of its repeat."""
-    from quantkit.evaluation import REPEAT_DIR
+    from quantkit.evaluation.run_dir import REPEAT_DIR
 
     files = [run_dir / "run.json", run_dir / "results.json"] + [run_dir / "samples" / f"{t}.jsonl" for t in tasks]
     return files + (_run_files(run_dir / REPEAT_DIR, tasks, 1) if repeat == 2 else [])
