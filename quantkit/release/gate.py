@@ -20,8 +20,7 @@ from pathlib import Path
 
 from quantkit.checkpoint.writer import refuse_inside
 from quantkit.errors import CannotCompare, QuantkitError
-from quantkit.evaluation.run_dir import REPEAT_DIR
-from quantkit.evaluation.run_dir import RunRecord, SampleRecord, read_run_record, read_samples
+from quantkit.evaluation.run_dir import REPEAT_DIR, RunRecord, SampleRecord, read_run_record, read_samples
 from quantkit.release.behaviour import (
     BehaviourCheck,
     is_generative,
