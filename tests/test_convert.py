@@ -200,3 +200,17 @@ def test_cuda_graphs_are_made_for_the_computations_many_tensors_share(synthetic,
         shape = ckpt.tensors[a.sources[0]].shape
         alike = [b for b in actions if b.kind == a.kind and ckpt.tensors[b.sources[0]].shape == shape]
         assert len(alike) >= GRAPH_MIN_TENSORS
+
+
+@pytest.mark.parametrize("recipe", ["dense-w4a16-g128", "dense-mlp-w4a16-asym-g32", "dense-fp8-block",
+                                    "dense-mlp-fp8-block"])
+def test_transformers_loads_an_output_without_a_word_about_targets(synthetic, tmp_path, recipe, caplog):
+    """compressed-tensors in transformers credits each module to the first target of the config it matches, and
+    warns about a target credited with none: the engines' fused names (convert/dst.py engine_names) come before a
+    group's ``Linear``, or every user would see "Could not match re:(...gate_up_proj...)" on every load."""
+    import logging
+
+    convert(synthetic["llama"], tmp_path / "out", recipe, device="cpu")
+    with caplog.at_level(logging.WARNING):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert [r.getMessage() for r in caplog.records if "Could not match" in r.getMessage()] == []

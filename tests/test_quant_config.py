@@ -126,7 +126,7 @@ def test_the_written_quantization_config_is_compressed_tensors_own(synthetic, re
     written = output_quantization_config(rec, plan, ckpt.config)
     # the engines' module names added to ignore and targets (tests/test_engine_schemes.py holds what they mean)
     ignore, extra = engine_names(rec, ckpt.config, linear_groups(plan))
-    groups = {name: CTScheme.model_validate(dict(s.model_dump(mode="json"), targets=s.targets + extra.get(name, [])))
+    groups = {name: CTScheme.model_validate(dict(s.model_dump(mode="json"), targets=extra.get(name, []) + s.targets))
               for name, s in rec.config.config_groups.items() if name in plan.weights_by_group}
     block = next((n for n, s in groups.items() if s.weights and s.weights.block_structure), None)
     if block:  # SGLang reads the block size of fused Linears' FP8 scales from the group targeting Linear

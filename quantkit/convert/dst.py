@@ -142,7 +142,9 @@ def output_quantization_config(recipe: Recipe, plan: ConversionPlan, config: Mod
     formats = {scheme.format for scheme in groups.values()}
     fmt = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     ignore, targets = engine_names(recipe, config, linear_groups(plan))
-    groups = {name: scheme.model_copy(update={"targets": scheme.targets + targets[name]}) if targets.get(name)
+    # the engines' names first: compressed-tensors (transformers) credits a module to the first target it matches
+    # and warns about a target it credits with none, so a group's class target listed first would take them all
+    groups = {name: scheme.model_copy(update={"targets": targets[name] + scheme.targets}) if targets.get(name)
               else scheme for name, scheme in groups.items()}
     block_fp8 = next((n for n, scheme in groups.items() if scheme.weights and scheme.weights.block_structure), None)
     if block_fp8 is not None:
