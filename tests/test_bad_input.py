@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
-from helpers import quantkit
+from helpers import one_line_error, quantkit
 
 from quantkit.checkpoint.reader import read_shard_header
 from quantkit.checkpoint.writer import write_safetensors
@@ -31,11 +31,7 @@ def rewrite(src, tensor, fn):
 
 
 def assert_clean_failure(result, src, before, *fragments, dst=None):
-    assert result.exit_code != 0
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+    one_line_error(result, *fragments, code=None)
     assert tree_bytes(src) == before
     if dst is not None and dst.exists():
         assert not list(dst.glob("model-*.safetensors")) or (dst / "quantkit-manifest.json").exists()
@@ -342,11 +338,10 @@ def test_a_corrupt_manifest_is_one_line(synthetic, tmp_path, damage, fragment):
     for args in (("verify", dst, "--no-smoke"), ("convert", synthetic["llama"], dst, "-r", "dense-w4a16-g128", "--resume"),
                  ("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated")):
         r = quantkit(*args)
-        lines = r.output.strip().splitlines()
-        assert r.exit_code == 1 and len(lines) == 1 and "quantkit-manifest.json" in lines[0] and fragment in lines[0], r.output
+        one_line_error(r, "quantkit-manifest.json", fragment)
     manifest.write_text("{not json")
     r = quantkit("verify", dst, "--no-smoke")
-    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1 and "unreadable manifest" in r.output
+    one_line_error(r, "unreadable manifest")
 
 
 def test_options_out_of_range_are_usage_errors(glm_copy, tmp_path):

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import evaldata
-from test_gate import suite, write_run
+from helpers import evaldata, suite, write_generations, write_run
 
 from quantkit.evaluation.generation import LOOP_SHARE, generation_stats, repeated_share, runaway
 from quantkit.evaluation.run_dir import SampleRecord
@@ -75,18 +74,6 @@ def test_runaway_rate_against_the_baseline():
     assert loops.estimate == 20.0 and not loops.passed
 
 
-def write_generations(folder, tokens, correct=None, model="m", batch_size=None, limit=256):
-    write_run(folder, {"gsm8k": correct or [1] * len(tokens)}, model=model)
-    rows = []
-    for i, n in enumerate(tokens):
-        rows.append(json.dumps({"item_id": f"gsm8k-{i}", "prompt_hash": f"h{i}", "correct": (correct or [1] * len(tokens))[i],
-                                "generated_tokens": n, "hit_limit": n >= limit, "repetition": 0.0}))
-    (folder / "samples" / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
-    if batch_size is not None:
-        meta = json.loads((folder / "run.json").read_text())
-        meta["engine"]["args"] = {"batch_size": batch_size}
-        (folder / "run.json").write_text(json.dumps(meta))
-    return folder
 
 
 def test_gate_fails_longer_answers_and_reports_both_checks(tmp_path):

@@ -6,53 +6,16 @@ import random
 import pytest
 from typer.testing import CliRunner
 
+from helpers import BILLION_LAUGHS, one_line_error, suite, write_run
 from quantkit.cli import app
 from quantkit.release.gate import CannotCompare, gate
 from quantkit.release.stats import paired_binary_interval
 
 
-def write_run(folder, outcomes: dict[str, list[int]], model="m", engine="hf", logprobs=None):
-    (folder / "samples").mkdir(parents=True)
-    meta = {"model": model, "model_checksums": {"model-00001-of-00001.safetensors": model * 8},
-            "engine": {"name": engine, "version": "1"}, "tasks": {t: {"num_fewshot": 0} for t in outcomes}}
-    (folder / "run.json").write_text(json.dumps(meta))
-    for task, values in outcomes.items():
-        rows = []
-        for i, v in enumerate(values):
-            row = {"item_id": f"{task}-{i}", "prompt_hash": f"h{i}", "correct": v}
-            if logprobs is not None:
-                row.update(choice_logprobs=logprobs[task][i], gold=0)
-            rows.append(json.dumps(row))
-        (folder / "samples" / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
-    return folder
 
 
-def suite(tmp_path, tasks, margin=1.0, **extra):
-    path = tmp_path / "suite.yaml"
-    lines = [f"{k}: {v}" for k, v in extra.items()] + ["tasks:"] + [f"  {t}: {{margin: {margin}}}" for t in tasks]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
-def passing_verdict(model, folder):
-    """FOLDER/gate/verdict.json: two equal runs of 200 ARC-Easy items gated at a 5-point margin, the candidate's
-    run recording MODEL's files as what it ships and the baseline's the checkpoint MODEL was converted from (what
-    publish checks them against), as eval records them."""
-    from quantkit.checkpoint.manifest import load_manifest
-    from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.evaluation import model_checksums
-
-    base = write_run(folder / "base", {"arc_easy": [1, 0, 1, 1] * 50})
-    cand = write_run(folder / "cand", {"arc_easy": [1, 0, 1, 1] * 50})
-    meta = json.loads((cand / "run.json").read_text())
-    meta["model_checksums"] = model_checksums(model)
-    meta["model_fingerprint"] = open_checkpoint(model).fingerprint()
-    (cand / "run.json").write_text(json.dumps(meta))
-    meta = json.loads((base / "run.json").read_text())
-    meta["model_fingerprint"] = load_manifest(model).source_fingerprint
-    (base / "run.json").write_text(json.dumps(meta))
-    gate(base, cand, suite=suite(folder, ["arc_easy"], margin=5.0), report_dir=folder / "gate")
-    return folder / "gate" / "verdict.json"
 
 
 def paired(n, p_base, flip_down, flip_up, rng):
@@ -207,11 +170,9 @@ def test_run_files_are_validated_strictly(tmp_path, damage, message):
     with pytest.raises(CannotCompare, match=message):
         gate(base, cand, suite=s)
     r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
-    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "arc_easy.jsonl" in r.output
+    one_line_error(r, "arc_easy.jsonl", code=2)
 
 
-# Nine levels of ten aliases each: a few hundred bytes that expand to 10^9 strings.
-BILLION_LAUGHS = "l0: &l0 [lol]\n" + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 10))
 
 
 def test_run_records_and_suites_are_validated(tmp_path):
@@ -248,4 +209,4 @@ def test_a_samples_file_that_is_not_utf8_cannot_be_compared(tmp_path):
     path = cand / "samples" / "arc_easy.jsonl"
     path.write_bytes(path.read_bytes().replace(b'"h0"', b'"h\xff"'))
     r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
-    assert r.exit_code == 2 and "arc_easy.jsonl: not UTF-8 text" in r.output and len(r.output.strip().splitlines()) == 1
+    one_line_error(r, "arc_easy.jsonl: not UTF-8 text", code=2)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
-from helpers import add_word_tokenizer, gptq_recipe
+from helpers import add_word_tokenizer, gptq_recipe, signround_recipe
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -181,7 +181,6 @@ def test_layer_inputs_kept_in_host_memory_give_the_same_bytes(synthetic, tmp_pat
 
 
 def test_signround_experts_in_groups_on_cuda(tmp_path, monkeypatch):
-    from test_signround import signround_recipe
 
     from quantkit.convert.calibrated import memory
 
@@ -269,7 +268,6 @@ def test_kill_9_then_resume_on_the_gpu_is_byte_identical(tmp_path):
 
 
 def test_signround_and_budget_on_cuda(tmp_path):
-    from test_signround import signround_recipe
 
     from quantkit.budget import budget
 

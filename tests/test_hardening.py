@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import shard_of, tree_bytes
-from helpers import one_line_error, quantkit
+from helpers import BILLION_LAUGHS, one_line_error, passing_verdict, quantkit, release_config
 from safetensors.torch import load_file
 
 from quantkit.checkpoint.writer import folder_lock, write_safetensors
@@ -57,14 +57,6 @@ def test_a_second_writer_gets_in_use(synthetic, tmp_path):
 # --- Data loss ------------------------------------------------------------------------------------
 
 
-def release_config(folder: Path, source: Path, **extra) -> Path:
-    (folder / "suite.yaml").write_text("tasks:\n  arc_easy: {margin: 100}\n")
-    config = {"source": str(source), "recipe": "dense-w4a16-g128", "convert": {"device": "cpu"},
-              "verify": {"smoke": False}, "eval": {"tasks": ["arc_easy"], "data_dir": str(folder / "nodata")},
-              "suite": "suite.yaml", "publish": {"repo": "file://published"}, **extra}
-    path = folder / "release.yaml"
-    path.write_text(json.dumps(config))
-    return path
 
 
 def test_release_never_deletes_a_checkpoint_it_did_not_write(synthetic, tmp_path):
@@ -144,7 +136,6 @@ def test_publish_never_writes_into_the_source_dst_or_someone_elses_folder(synthe
 @pytest.fixture
 def gated(llama_int4, tmp_path):
     """DST with a passing verdict whose checksums are DST's files now."""
-    from test_gate import passing_verdict
 
     return llama_int4, passing_verdict(llama_int4, tmp_path)
 
@@ -297,7 +288,6 @@ def test_an_unreadable_quantization_config_is_one_line_naming_config_json(llama_
 
 
 def test_a_recipe_alias_bomb_is_refused(synthetic, tmp_path):
-    from test_gate import BILLION_LAUGHS
 
     recipe = tmp_path / "bomb.yaml"
     recipe.write_text(BILLION_LAUGHS)

@@ -7,23 +7,14 @@ included: a link planted at an output's path is replaced, never written through.
 from __future__ import annotations
 
 import pytest
-from helpers import quantkit
-from test_gate import suite, write_run
+from helpers import OUTSIDE, one_line_error, plant_link, quantkit, release_config, suite, write_run, write_seeded
 
 from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 
-OUTSIDE = b"someone else's file\n"
 
 
-def plant_link(path, tmp_path):
-    """A link at ``path`` to a file outside; returns the outside file."""
-    target = tmp_path / "outside.txt"
-    target.write_bytes(OUTSIDE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.symlink_to(target)
-    return target
 
 
 def replaced_by_a_picture(path, target) -> bool:
@@ -42,8 +33,7 @@ def test_plan_deploys_chart_is_not_written_through_a_link(synthetic, tmp_path):
 def test_a_chart_path_matplotlib_cannot_write_is_one_line(synthetic, tmp_path):
     result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
                       "--gpu-mem", 1, "--chart", tmp_path / "chart.txt")
-    lines = result.output.strip().splitlines()
-    assert result.exit_code != 0 and len(lines) == 1 and "a chart is written as .png" in lines[0], result.output
+    one_line_error(result, "a chart is written as .png", code=None)
     assert "internal error" not in result.output and not (tmp_path / "chart.txt").exists()
 
 
@@ -83,7 +73,7 @@ def test_budget_never_writes_into_the_source(synthetic, tmp_path):
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     for out in (src / "config.json", src / "sub" / "recipe.yaml"):
         result = quantkit("budget", src, "--recipe", "dense-w4a16-g128", "--budget", "0.9", "--out", out)
-        one_line(result, "--out must not be the model folder or inside it")
+        one_line_error(result, "--out must not be the model folder or inside it", code=None)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
 
 
@@ -95,21 +85,17 @@ def test_eval_never_writes_its_run_into_the_model(synthetic, tmp_path):
     before = sorted(p.name for p in model.rglob("*"))
     for out in (model, model / "runs"):
         result = quantkit("eval", model, "--tasks", "arc_easy", "--limit", 2, "--out", out)
-        one_line(result, "RUN_DIR must not be the model folder or inside it")
+        one_line_error(result, "RUN_DIR must not be the model folder or inside it", code=None)
     assert sorted(p.name for p in model.rglob("*")) == before
 
 
 def test_budget_refuses_a_seq_len_beyond_the_models_context(synthetic, tmp_path):
     result = quantkit("budget", synthetic["llama"], "--recipe", "dense-w4a16-g128", "--budget", "0.9",
                       "--out", tmp_path / "r.yaml", "--seq-len", 257)
-    one_line(result, "--seq-len 257 exceeds the model's context (256)")
+    one_line_error(result, "--seq-len 257 exceeds the model's context (256)", code=None)
     assert not (tmp_path / "r.yaml").exists()
 
 
-def one_line(result, fragment: str) -> str:
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert result.exit_code not in (0, None) and len(lines) == 1 and fragment in lines[0], result.output
-    return lines[0]
 
 
 # --- Statistics that cannot be talked into a wrong answer -------------------------------------------
@@ -121,7 +107,6 @@ def test_a_run_of_every_item_is_the_last_look_and_decides(tmp_path, looks):
     every item evaluated, where [0.5, 1.0] said FAIL on the same data."""
     import random
 
-    from test_stats import write_seeded
 
     from quantkit.release.gate import gate
 
@@ -207,7 +192,7 @@ def recipe(tmp_path, sym="true", strategy="group", gs="32", more="", fmt=""):
 ])
 def test_a_recipe_argument_quantkit_does_not_apply_is_refused_naming_it(synthetic, tmp_path, kwargs, says):
     result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", recipe(tmp_path, **kwargs))
-    one_line(result, says)
+    one_line_error(result, says, code=None)
     assert "internal error" not in result.output and not (tmp_path / "out").exists()
 
 
@@ -255,7 +240,7 @@ def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(syntheti
     (tmp_path / "bomb.yaml").write_text(text)
     started = time.perf_counter()
     result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", tmp_path / "bomb.yaml")
-    one_line(result, "nodes with its aliases expanded")
+    one_line_error(result, "nodes with its aliases expanded", code=None)
     assert time.perf_counter() - started < 10 and not (tmp_path / "out").exists()
 
 
@@ -270,7 +255,7 @@ def test_calibration_rows_json_cannot_read_are_one_line_naming_the_file(syntheti
     (tmp_path / "rows.jsonl").write_text(row + "\n")
     result = quantkit("calibrate-kv", synthetic["llama"], "--out", tmp_path / "out", "--data", tmp_path / "rows.jsonl",
                       "--seq-len", 64)
-    line = one_line(result, says)
+    line = one_line_error(result, says, code=None)
     assert "rows.jsonl" in line and "internal error" not in result.output
 
 
@@ -308,7 +293,7 @@ def test_plan_reads_glm5s_index_topk_pattern_with_its_mtp_layer(synthetic, tmp_p
 ])
 def test_plan_refuses_indexer_fields_it_cannot_read_in_one_line(synthetic, tmp_path, fields, says):
     folder, _ = glm_config_only(synthetic, tmp_path, **fields)
-    one_line(quantkit("plan", folder), says)
+    one_line_error(quantkit("plan", folder), says, code=None)
 
 
 # --- Resume ------------------------------------------------------------------------------------------
@@ -318,7 +303,6 @@ def test_release_resume_after_the_source_was_replaced_runs_every_stage_again(syn
     """It reported every stage "done earlier" and would have published the old conversion."""
     import shutil
 
-    from test_hardening import release_config
 
     from quantkit.examples.synthetic import build_synthetic
     from quantkit.release import ReleaseStopped, release

@@ -6,10 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import quantkit
-from test_behaviour import write_generations
-from test_gate import suite, write_run
-from test_hardening_iii import OUTSIDE, one_line, plant_link
+from helpers import OUTSIDE, one_line_error, plant_link, quantkit, suite, write_generations, write_run
 
 from quantkit.errors import QuantkitError
 from quantkit.release.gate import gate
@@ -42,7 +39,7 @@ def test_a_key_named_twice_is_refused_naming_the_file_and_key(synthetic, tmp_pat
         path = tmp_path / "release.yaml"
         path.write_text("source: a\nrecipe: b\npublish: null\nrecipe: c\n")
         result = quantkit("release", path)
-    line = one_line(result, str(path))
+    line = one_line_error(result, str(path), code=None)
     key = "tasks" if kind == "suite" else "quant_stage" if kind == "recipe" else "recipe"
     assert f"invalid YAML at line {3 if kind == 'recipe' else 4}: duplicate key '{key}'" in line
 
@@ -62,7 +59,7 @@ def test_gate_never_writes_its_report_into_a_model_folder(synthetic, tmp_path):
     base = write_run(tmp_path / "b", {"arc_easy": [1, 0] * 50}, model=str(model))
     cand = write_run(tmp_path / "c", {"arc_easy": [1, 0] * 50}, model="n")
     for out in (model, model / "gate"):
-        one_line(quantkit("gate", base, cand, "--report", out), "--report must not be the model folder or inside it")
+        one_line_error(quantkit("gate", base, cand, "--report", out), "--report must not be the model folder or inside it", code=None)
     assert sorted(p.name for p in model.rglob("*")) == before
 
 
@@ -143,11 +140,11 @@ def test_verify_refuses_a_kv_scale_that_is_not_finite_and_positive(synthetic, tm
 def test_gate_margins_beyond_100_points_are_one_line(tmp_path, margin):
     base = write_run(tmp_path / "b", {"arc_easy": [1, 0] * 50})
     cand = write_run(tmp_path / "c", {"arc_easy": [1, 0] * 50}, model="n")
-    one_line(quantkit("gate", base, cand, "--margin", margin), "the margin is a loss in accuracy points, from 0 to 100")
+    one_line_error(quantkit("gate", base, cand, "--margin", margin), "the margin is a loss in accuracy points, from 0 to 100", code=None)
 
 
 def test_plan_with_infinite_gpu_memory_is_one_line(synthetic):
-    one_line(quantkit("plan", synthetic["llama"], "--gpu-mem-gib", "inf"), "--gpu-mem-gib must be a GPU's memory")
+    one_line_error(quantkit("plan", synthetic["llama"], "--gpu-mem-gib", "inf"), "--gpu-mem-gib must be a GPU's memory", code=None)
 
 
 @pytest.mark.parametrize("extra, says", [(lambda: "[" * 100_000 + "]" * 100_000, "maximum recursion depth"),
@@ -158,7 +155,7 @@ def test_a_config_json_python_cannot_parse_is_one_line_naming_it(synthetic, tmp_
     text = (model / "config.json").read_text().rstrip().removesuffix("}")
     (model / "config.json").write_text(text + ', "x": ' + extra() + "}")
     for command in (("inspect", model), ("plan", model)):
-        line = one_line(quantkit(*command), says)
+        line = one_line_error(quantkit(*command), says, code=None)
         assert "config.json: invalid JSON" in line
     checked = quantkit("verify", model)  # verify reports it as a finding, as it does any unreadable checkpoint
     assert checked.exit_code == 1 and "readable checkpoint: invalid JSON: " + says in checked.output

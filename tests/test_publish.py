@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import yaml
-from test_gate import passing_verdict, suite
 from typer.testing import CliRunner
 
+from helpers import passing_verdict, suite
 from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.cli import app
 from quantkit.convert import convert

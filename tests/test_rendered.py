@@ -9,8 +9,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from test_gate import passing_verdict, suite, write_run
 
+from helpers import passing_verdict, suite, write_run
 from quantkit.convert import convert
 from quantkit.release.gate import gate
 from quantkit.release.report import COLUMNS

@@ -19,6 +19,7 @@ from helpers import (
     held_out_batches,
     mlp_output_errors,
     perplexity,
+    signround_recipe,
     stop_after_first_layer,
 )
 from safetensors.torch import load_file
@@ -33,20 +34,6 @@ from quantkit.packaged import recipes_dir
 
 SHIPPED = "dense-mlp-w4a16-signround-g32"
 
-def signround_recipe(folder: Path, samples=4, seq_len=64, iters=4, batch_size=2, base="dense-mlp-w4a16-signround-g32",
-                     seed=0) -> Path:
-    """A built-in SignRound recipe shrunk for a test: a few tuning steps on a few random token sequences."""
-    data = folder / f"calibration-{seed}.jsonl"
-    gen = torch.Generator().manual_seed(seed)
-    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (seq_len,), generator=gen).tolist()}) + "\n"
-                            for _ in range(samples)))
-    text = (recipes_dir() / f"{base}.yaml").read_text()
-    head, _, rest = text.partition("quantkit_calibration:\n")
-    body = rest[rest.index("quant_stage:"):].replace("iters: 200", f"iters: {iters}")
-    body = body.replace("batch_size: 8", f"batch_size: {batch_size}")
-    path = folder / f"{base}-small.yaml"
-    path.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {samples}\n  seq_len: {seq_len}\n{body}")
-    return path
 
 
 @contextmanager

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy.special import gammaln
 
+from helpers import write_seeded
 from quantkit.release.gate import gate
 from quantkit.release.stats import (
     bootstrap_interval,
@@ -131,23 +132,6 @@ def test_sequential_looks_keep_the_type_one_error_and_most_of_the_power():
         assert power >= fixed - 0.01 and used < 0.5, (spending, power, fixed, used)
 
 
-def write_seeded(folder, task, outcomes, population, fraction=None, model="m"):
-    """A run of ``task`` in the seeded order: the first ``fraction`` of ``population`` items (baseline: all, in file
-    order)."""
-    from quantkit.evaluation.run_dir import seeded_order
-
-    (folder / "samples").mkdir(parents=True)
-    seeded = fraction is not None
-    count = math.ceil(fraction * population) if seeded else population
-    ids = seeded_order(population)[:count] if seeded else list(range(population))
-    identity = {"num_fewshot": 0, "items": count, "population": population, "order": "seeded" if seeded else "file",
-                "limit": count if seeded else None}
-    meta = {"model": model, "model_checksums": {"w.safetensors": model * 8}, "engine": {"name": "hf", "version": "1"},
-            "tasks": {task: identity}}
-    (folder / "run.json").write_text(json.dumps(meta))
-    rows = [json.dumps({"item_id": f"{task}-{i}", "prompt_hash": f"h{i}", "correct": outcomes[i]}) for i in ids]
-    (folder / "samples" / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
-    return folder
 
 
 def test_a_sequential_gate_decides_at_the_first_look_that_can(tmp_path):

@@ -239,3 +239,26 @@ def test_the_design_card_names_every_settings_model():
     models = {node.name for node in tree.body if isinstance(node, ast.ClassDef) and node.name.endswith("Settings")}
     card = (PACKAGE.parent / "docs" / "design.md").read_text()
     assert models and {m for m in models if m not in card} == set()
+
+
+def imported_test_modules(source: str) -> set[str]:
+    """The test modules (``test_*``) that ``source`` imports, at its top or inside its functions."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("test_")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("test_"):
+            found.add(node.module)
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/, never in a test module another imports."""
+    tests = PACKAGE.parent / "tests"
+    imported = {p.name: found for p in sorted(tests.glob("test_*.py")) if (found := imported_test_modules(p.read_text()))}
+    assert imported == {}
+
+
+def test_a_planted_import_of_a_test_module_is_found():
+    planted = "from helpers import suite\nfrom test_gate import write_run\ndef f():\n    import test_stats\n"
+    assert imported_test_modules(planted) == {"test_gate", "test_stats"}

@@ -1,0 +1,13 @@
+"""Links planted where quantkit writes, to files that are someone else's."""
+
+OUTSIDE = b"someone else's file\n"
+
+
+def plant_link(path, tmp_path):
+    """A link at ``path`` to a file outside; returns the outside file."""
+    target = tmp_path / "outside.txt"
+    target.write_bytes(OUTSIDE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    return target
+
