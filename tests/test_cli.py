@@ -1,9 +1,12 @@
 """The CLI: parses, calls one function, prints; JSON for machines; fast help."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -19,6 +22,22 @@ def test_help_is_fast_and_imports_no_heavy_library():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert time.perf_counter() - t0 < 10
+
+
+def test_the_checkouts_cli_py_runs_the_same_app_from_this_folders_package(tmp_path):
+    """``python cli.py`` from a checkout, with no installed quantkit to fall back on: the app, every command, this
+    folder's code."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import runpy, sys; sys.argv = ['cli.py', '--help']; sys.modules.pop('quantkit', None); "
+            f"runpy.run_path({str(root / 'cli.py')!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": "", "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    listed = {name for name in re.findall(r"^│ ([a-z][a-z-]*) ", done.stdout, flags=re.M)}
+    assert listed == {c.name for c in app.registered_commands}
+    where = subprocess.run([sys.executable, str(root / "cli.py"), "--version"], capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert where.returncode == 0 and where.stdout.startswith("quantkit "), where.stderr
 
 
 def test_convert_and_inspect_json(synthetic, tmp_path):
@@ -102,7 +121,7 @@ def test_plans_options_are_named_as_the_library_names_its_settings():
 
 
 def test_converts_help_names_every_calibrated_algorithm_the_registry_holds():
-    from quantkit.cli import ALGORITHM_NAMES
+    from quantkit.commands.common import ALGORITHM_NAMES
     from quantkit.convert.calibrated import QUANTIZERS
 
     assert set(ALGORITHM_NAMES) == set(QUANTIZERS)

@@ -21,7 +21,7 @@ LAYERS = [
     {"engines", "modeling", "layerwise", "charts"},
     {"convert", "kv", "verify", "evaluation", "plan", "budget"},
     {"release"},
-    {"examples", "cli", "__main__"},
+    {"examples", "cli", "commands", "__main__"},
 ]
 
 
