@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from helpers import passing_verdict, suite
+from helpers import passing_verdict, suite, write_run
 from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.cli import app
 from quantkit.convert import convert
@@ -199,3 +199,40 @@ def test_a_candidate_run_copied_from_the_baseline_with_the_models_checksums_is_r
     with pytest.raises(PublishRefused, match="candidate run does not record an evaluation of this checkpoint"):
         publish(dst, "file://" + str(tmp_path / "out"), gate=tmp_path / "forged-gate" / "verdict.json")
     assert not (tmp_path / "out").exists()
+
+
+def _logprob_runs(folder, dst, candidate_logprobs):
+    """A baseline run of the model DST was converted from and a candidate run recording DST, both scoring 200
+    ARC-Easy items by log-likelihood, gated; the candidate's log-probabilities as given."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.evaluation import model_checksums
+
+    outcomes = {"arc_easy": [1, 0, 1, 1] * 50}
+    base_lp = {"arc_easy": [[-1.0 - i / 1000, -2.0] for i in range(200)]}
+    base = write_run(folder / "base", outcomes, logprobs=base_lp)
+    cand = write_run(folder / "cand", outcomes, logprobs={"arc_easy": candidate_logprobs(base_lp["arc_easy"])})
+    for run, fingerprint in ((base, load_manifest(dst).source_fingerprint), (cand, open_checkpoint(dst).fingerprint())):
+        meta = json.loads((run / "run.json").read_text())
+        meta["model_fingerprint"] = fingerprint
+        if run == cand:
+            meta["model_checksums"] = model_checksums(dst)
+        (run / "run.json").write_text(json.dumps(meta))
+    gate(base, cand, suite=suite(folder, ["arc_easy"], margin=5.0), report_dir=folder / "gate")
+    return folder / "gate" / "verdict.json"
+
+
+def test_a_candidate_run_with_the_baselines_answers_to_the_last_digit_is_refused_even_with_dsts_fingerprint(
+        synthetic, tmp_path):
+    """The whole forgery: the baseline's run copied with DST's checksums and fingerprint written in. Its answers are
+    the baseline's to the last digit on every item, which no evaluation of a converted model gives; an evaluation of
+    DST, whose log-probabilities differ in the last digits, publishes."""
+    dst = tmp_path / "int4"
+    convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu")
+    copied = _logprob_runs(tmp_path / "copied", dst, lambda lp: [list(pair) for pair in lp])
+    with pytest.raises(PublishRefused, match="baseline run's log-probabilities to the last digit on every item"):
+        publish(dst, "file://" + str(tmp_path / "out-copied"), gate=copied)
+    assert not (tmp_path / "out-copied").exists()
+    evaluated = _logprob_runs(tmp_path / "evaluated", dst, lambda lp: [[a * 1.0001, b] for a, b in lp])
+    publish(dst, "file://" + str(tmp_path / "out-evaluated"), gate=evaluated)
+    assert (tmp_path / "out-evaluated" / "config.json").is_file()

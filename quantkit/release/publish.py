@@ -146,11 +146,34 @@ def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
                              "checkpoint fingerprint is another model's, or none); evaluate this folder and gate "
                              "again", gate)
     baseline = read_run_record(Path(verdict.baseline))
+    if _answers_copied(verdict, baseline, candidate):
+        raise PublishRefused("the gate's candidate run gives the baseline run's log-probabilities to the last digit "
+                             "on every item: no evaluation of this checkpoint does that (a copy of the baseline's "
+                             "run?); evaluate this folder and gate again", gate)
     if baseline.model_fingerprint != manifest.source_fingerprint:
         what = ("a run that does not record which checkpoint it evaluated (re-run eval)"
                 if baseline.model_fingerprint is None else f"{baseline.model}")
         raise PublishRefused(f"the gate's baseline run evaluated {what}, not {manifest.source_path}, the model "
                              "this checkpoint was converted from; gate against a run of that model", gate)
+
+
+def _answers_copied(verdict: GateReport, baseline, candidate) -> bool:
+    """Whether every item both runs scored by log-likelihood has the same log-probabilities in both: a converted
+    model's differ in the last digits on almost every item, so a run that matches on all of them is the baseline's
+    run under another name. Runs with no such item (generative tasks only) are not told apart this way."""
+    from quantkit.release.gate import load_samples
+
+    compared = False
+    for task in (t.task for t in verdict.tasks):
+        theirs = load_samples(Path(verdict.baseline), baseline, task)
+        ours = load_samples(Path(verdict.candidate), candidate, task)
+        for item, sample in ours.items():
+            if sample.choice_logprobs is None or item not in theirs or theirs[item].choice_logprobs is None:
+                continue
+            if sample.choice_logprobs != theirs[item].choice_logprobs:
+                return False
+            compared = True
+    return compared
 
 
 def _gate_again(verdict: GateReport, path: Path) -> GateReport:
