@@ -41,8 +41,7 @@ from quantkit.sizes import parse_size
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ConvertResult", "DifferentRun", "calibration_batches", "convert", "output_quantization_config",
-           "parse_size"]
+__all__ = ["ConvertResult", "DifferentRun", "calibration_batches", "convert", "output_quantization_config"]
 
 @dataclass
 class ConvertResult:
