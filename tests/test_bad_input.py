@@ -380,3 +380,44 @@ def test_dst_on_a_read_only_file_system(glm_copy, tmp_path, monkeypatch):
     before = tree_bytes(glm_copy)
     r = quantkit(*convert_args(glm_copy, tmp_path / "ro" / "dst"))
     assert_clean_failure(r, glm_copy, before, "dst", "Read-only file system")
+
+
+@pytest.mark.parametrize("kind", ["suite", "recipe", "release config"])
+def test_a_key_named_twice_is_refused_naming_the_file_and_key(synthetic, tmp_path, kind):
+    if kind == "suite":
+        path = tmp_path / "s.yaml"
+        path.write_text("tasks:\n  arc_easy: {margin: 1}\nalpha: 0.05\ntasks:\n  gsm8k: {margin: 50}\n")
+        result = quantkit("gate", tmp_path, tmp_path, "--suite", path)
+    elif kind == "recipe":
+        path = tmp_path / "r.yaml"
+        path.write_text("quant_stage:\n  quant_modifiers: {}\nquant_stage:\n  quant_modifiers: {}\n")
+        result = quantkit("convert", synthetic["llama"], tmp_path / "out", "-r", path)
+    else:
+        path = tmp_path / "release.yaml"
+        path.write_text("source: a\nrecipe: b\npublish: null\nrecipe: c\n")
+        result = quantkit("release", path)
+    line = one_line_error(result, str(path), code=None)
+    key = "tasks" if kind == "suite" else "quant_stage" if kind == "recipe" else "recipe"
+    assert f"invalid YAML at line {3 if kind == 'recipe' else 4}: duplicate key '{key}'" in line
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    from quantkit.yaml_file import load_yaml
+
+    path = tmp_path / "m.yaml"
+    path.write_text("base: &b {margin: 1, cluster: null}\ntasks:\n  arc_easy:\n    <<: *b\n    margin: 3\n")
+    assert load_yaml(path, "suite")["tasks"]["arc_easy"] == {"margin": 3, "cluster": None}
+
+
+@pytest.mark.parametrize("extra, says", [(lambda: "[" * 100_000 + "]" * 100_000, "maximum recursion depth"),
+                                         (lambda: "9" * 5000, "Exceeds the limit (4300 digits)")])
+def test_a_config_json_python_cannot_parse_is_one_line_naming_it(synthetic, tmp_path, extra, says):
+    model = tmp_path / "model"
+    shutil.copytree(synthetic["llama"], model)
+    text = (model / "config.json").read_text().rstrip().removesuffix("}")
+    (model / "config.json").write_text(text + ', "x": ' + extra() + "}")
+    for command in (("inspect", model), ("plan", model)):
+        line = one_line_error(quantkit(*command), says, code=None)
+        assert "config.json: invalid JSON" in line
+    checked = quantkit("verify", model)  # verify reports it as a finding, as it does any unreadable checkpoint
+    assert checked.exit_code == 1 and "readable checkpoint: invalid JSON: " + says in checked.output

@@ -1,14 +1,17 @@
 """The README's main job, in its CI variant: fewer items, same chain, same suite, same honesty."""
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import OUTSIDE, plant_link
 from typer.testing import CliRunner
 
 from quantkit.cli import app
+from quantkit.errors import QuantkitError
 
 
 def test_the_margin_follows_the_suites_own_rule_for_the_items_asked_for(tmp_path):
@@ -79,3 +82,47 @@ def test_demo_releases_both_pools_and_publishes_only_what_passes(smollm2_bf16, t
     state = json.loads((work / "release-decode" / "release-state.json").read_text())
     assert state["stages"]["eval-baseline"]["seconds"] < 5
     assert Path(work / "baseline-run" / "results.json").is_file()
+
+
+def test_the_demo_writes_nothing_through_links_planted_in_its_workdir(smollm2_bf16, tmp_path):
+    from quantkit.examples.demo import demo
+
+    work = tmp_path / "work"
+    suite_target = plant_link(work / "suite.yaml", tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (work / "data").mkdir()
+    (work / "data" / "arc_easy").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(QuantkitError, match="is a link: refused"):
+        demo(work, arc_items=4, gsm8k_items=1, source_model=smollm2_bf16)
+    assert list((tmp_path / "elsewhere").iterdir()) == [] and suite_target.read_bytes() == OUTSIDE
+
+    (work / "data" / "arc_easy").unlink()  # the folder link gone, the file link is replaced, never written through
+    (work / "data" / "gsm8k").mkdir()
+    ok = (work / "data" / "gsm8k" / "test.jsonl")
+    plant_link(ok, tmp_path / "elsewhere")
+    from quantkit.examples import demo as demo_module
+
+    demo_module._slice(demo_module.DATA / "gsm8k" / "test.jsonl", work, "data/gsm8k/test.jsonl", 2)
+    assert not ok.is_symlink() and len(ok.read_text().splitlines()) == 2
+    assert (tmp_path / "elsewhere" / "outside.txt").read_bytes() == OUTSIDE
+
+
+def test_a_block_fp8_source_is_written_again_for_another_model(smollm2_bf16, tmp_path):
+    from quantkit.examples.smollm2 import block_fp8_release
+    from quantkit.checkpoint.reader import open_checkpoint
+
+    out = block_fp8_release(smollm2_bf16, tmp_path / "fp8")
+    first = open_checkpoint(out).fingerprint()
+    assert block_fp8_release(smollm2_bf16, out) == out and open_checkpoint(out).fingerprint() == first  # resumed
+    other = tmp_path / "other"
+    shutil.copytree(smollm2_bf16, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-6)))  # another model, same headers
+    block_fp8_release(other, out)
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(QuantkitError, match="holds files this demo did not write"):
+        block_fp8_release(smollm2_bf16, foreign)
+    assert (foreign / "notes.txt").read_text() == "mine"

@@ -2,11 +2,12 @@
 
 import json
 import random
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
-from helpers import BILLION_LAUGHS, one_line_error, suite, write_run
+from helpers import BILLION_LAUGHS, one_line_error, quantkit, suite, write_generations, write_run
 from quantkit.cli import app
 from quantkit.release.gate import CannotCompare, gate
 from quantkit.release.stats import paired_binary_interval
@@ -210,3 +211,29 @@ def test_a_samples_file_that_is_not_utf8_cannot_be_compared(tmp_path):
     path.write_bytes(path.read_bytes().replace(b'"h0"', b'"h\xff"'))
     r = CliRunner().invoke(app, ["gate", str(base), str(cand), "--suite", str(s)])
     one_line_error(r, "arc_easy.jsonl: not UTF-8 text", code=2)
+
+
+def test_a_generative_task_decided_by_loglik_alone_fails_instead_of_passing(tmp_path):
+    base = write_generations(tmp_path / "b", [20] * 50)
+    cand = write_generations(tmp_path / "c", [20] * 50, correct=[0] * 50, model="n")  # -100 points, no choices
+    report = gate(base, cand, suite=suite(tmp_path, ["gsm8k"], margin=1.0, decide_by="[loglik]"))
+    assert not report.passed and report.tasks[0].delta == -100
+    assert "decide_by loglik, but the task has no choice log-likelihoods" in report.tasks[0].note
+
+
+def test_gate_never_writes_its_report_into_a_model_folder(synthetic, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(synthetic["llama"], model)
+    before = sorted(p.name for p in model.rglob("*"))
+    base = write_run(tmp_path / "b", {"arc_easy": [1, 0] * 50}, model=str(model))
+    cand = write_run(tmp_path / "c", {"arc_easy": [1, 0] * 50}, model="n")
+    for out in (model, model / "gate"):
+        one_line_error(quantkit("gate", base, cand, "--report", out), "--report must not be the model folder or inside it", code=None)
+    assert sorted(p.name for p in model.rglob("*")) == before
+
+
+@pytest.mark.parametrize("margin", ["inf", "101"])
+def test_gate_margins_beyond_100_points_are_one_line(tmp_path, margin):
+    base = write_run(tmp_path / "b", {"arc_easy": [1, 0] * 50})
+    cand = write_run(tmp_path / "c", {"arc_easy": [1, 0] * 50}, model="n")
+    one_line_error(quantkit("gate", base, cand, "--margin", margin), "the margin is a loss in accuracy points, from 0 to 100", code=None)

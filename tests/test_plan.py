@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+from helpers import one_line_error, quantkit
 from typer.testing import CliRunner
 
 from quantkit.checkpoint.config import ModelConfig
@@ -131,3 +132,7 @@ def test_planning_runs_with_the_cyclic_collector_paused_and_leaves_it_as_found(s
         assert not gc.isenabled()  # off before, off after: a nested pause does not switch it on
     finally:
         gc.enable()
+
+
+def test_plan_with_infinite_gpu_memory_is_one_line(synthetic):
+    one_line_error(quantkit("plan", synthetic["llama"], "--gpu-mem-gib", "inf"), "--gpu-mem-gib must be a GPU's memory", code=None)

@@ -245,3 +245,26 @@ def test_the_output_must_weigh_what_plan_predicted(synthetic, converted, glm_out
     assert len(sized) == 1 and "planned (" in sized[0]["message"], sized
     not_a_plan = runner.invoke(app, ["verify", str(glm_out), "--plan", str(tmp_path / "nothing.json")])
     assert not_a_plan.exit_code == 1 and "nothing.json" in not_a_plan.output and "Traceback" not in not_a_plan.output
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0, float("inf")])
+def test_verify_refuses_a_kv_scale_that_is_not_finite_and_positive(synthetic, tmp_path, value):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.verify import verify
+
+    model = tmp_path / "model"
+    shutil.copytree(synthetic["llama"], model)
+    shard = sorted(model.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(value)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"]["model.layers.0.self_attn.k_proj.k_scale"] = shard.name
+        index.write_text(json.dumps(data))
+    report = verify(model, smoke=False)
+    found = [f for f in report.findings if f.rule == "KV-cache scales are finite and above zero"]
+    assert len(found) == 1 and found[0].tensor == "model.layers.0.self_attn.k_proj.k_scale", report.findings
