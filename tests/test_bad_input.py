@@ -421,3 +421,15 @@ def test_a_config_json_python_cannot_parse_is_one_line_naming_it(synthetic, tmp_
         assert "config.json: invalid JSON" in line
     checked = quantkit("verify", model)  # verify reports it as a finding, as it does any unreadable checkpoint
     assert checked.exit_code == 1 and "readable checkpoint: invalid JSON: " + says in checked.output
+
+
+@pytest.mark.parametrize("row, says", [
+    ('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 1: nested deeper than JSON is read here"),
+    ('{"input_ids": [' + "9" * 5000 + "]}", "line 1: invalid JSON"),
+])
+def test_calibration_rows_json_cannot_read_are_one_line_naming_the_file(synthetic, tmp_path, row, says):
+    (tmp_path / "rows.jsonl").write_text(row + "\n")
+    result = quantkit("calibrate-kv", synthetic["llama"], "--out", tmp_path / "out", "--data", tmp_path / "rows.jsonl",
+                      "--seq-len", 64)
+    line = one_line_error(result, says, code=None)
+    assert "rows.jsonl" in line and "internal error" not in result.output

@@ -11,6 +11,7 @@ from conftest import shard_of
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from helpers import one_line_error, quantkit
 from quantkit.budget import Group, _choose, budget, option_bytes
 from quantkit.cli import app
 from quantkit.convert import convert
@@ -137,3 +138,110 @@ def test_each_group_is_measured_from_its_own_layer_on_and_gives_the_whole_forwar
             assert group.kl["int4-g32"] == max(total / sum(b.numel() for b in batches), 0.0), group.name
             for p, w in saved.items():
                 getattr(mlp, f"{p}_proj").weight.data = w
+
+
+def test_budget_never_writes_into_the_source(synthetic, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out in (src / "config.json", src / "sub" / "recipe.yaml"):
+        result = quantkit("budget", src, "--recipe", "dense-w4a16-g128", "--budget", "0.9", "--out", out)
+        one_line_error(result, "--out must not be the model folder or inside it", code=None)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_budget_refuses_a_seq_len_beyond_the_models_context(synthetic, tmp_path):
+    result = quantkit("budget", synthetic["llama"], "--recipe", "dense-w4a16-g128", "--budget", "0.9",
+                      "--out", tmp_path / "r.yaml", "--seq-len", 257)
+    one_line_error(result, "--seq-len 257 exceeds the model's context (256)", code=None)
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def test_a_newline_in_the_source_folders_name_adds_no_key_to_budgets_recipe(synthetic, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    import yaml
+
+    from quantkit.budget import budget
+
+    src = tmp_path / "src\nquantkit_calibration: {samples: 1}\nx"
+    shutil.copytree(synthetic["llama"], src)
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (32,)).tolist()}) + "\n" for _ in range(2)))
+    budget(src, recipe="dense-w4a16-g128", size="0.9", out=tmp_path / "r.yaml", data=data, samples=2, seq_len=32,
+           device="cpu")
+    text = (tmp_path / "r.yaml").read_text()
+    assert set(yaml.safe_load(text)) == {"quant_stage"} and "src\\nquantkit_calibration" in text.splitlines()[0]
+
+
+BASE = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      kv_cache_scheme: {num_bits: 8, type: float, symmetric: true, strategy: tensor, dynamic: false}
+      config_groups:
+        mlp:
+          targets: ["re:.*mlp\\\\.(gate|up|down)_proj$"]
+          weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+        attention:
+          targets: ["re:.*self_attn\\\\.(q|k|v|o)_proj$"]
+          weights: {num_bits: 8, type: float, symmetric: true, strategy: block, block_structure: [128, 128]}
+          input_activations: {num_bits: 8, type: float, symmetric: true, strategy: group, group_size: 128,
+                              dynamic: true}
+"""
+
+
+@pytest.fixture
+def budget_inputs(synthetic, tmp_path):
+    import json
+
+    import torch
+
+    (tmp_path / "base.yaml").write_text(BASE)
+    data = tmp_path / "tokens.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(2, 512, (32,), generator=gen).tolist()}) + "\n"
+                            for _ in range(2)))
+    return synthetic["llama"], tmp_path / "base.yaml", data
+
+
+def test_budget_keeps_the_base_recipes_sign_convention_fp8_groups_and_kv_scheme(budget_inputs, tmp_path):
+    """From an asymmetric base it measured and wrote symmetric INT4, dropped the kv_cache_scheme, and left the base's
+    FP8 layers BF16."""
+    from quantkit.budget import budget
+    from quantkit.formats.recipe import load_recipe
+
+    src, base, data = budget_inputs
+    roomy = budget(src, recipe=str(base), size="0.9", out=tmp_path / "r.yaml", data=data, samples=2, seq_len=32,
+                   device="cpu")
+    result = budget(src, recipe=str(base), size=str(int(roomy.smallest_bytes * 1.01)), out=tmp_path / "r.yaml",
+                    data=data, samples=2, seq_len=32, device="cpu")  # room for INT4 MLPs only
+    written = load_recipe(tmp_path / "r.yaml").config
+    int4 = [s for s in written.config_groups.values() if s.weights.num_bits == 4]
+    assert int4 and all(not s.weights.symmetric for s in int4)
+    assert written.kv_cache_scheme is not None and written.kv_cache_scheme.num_bits == 8
+    kept = written.config_groups["base_attention"]
+    assert kept.weights.block_structure == [128, 128] and kept.targets == [r"re:.*self_attn\.(q|k|v|o)_proj$"]
+    out = convert(src, tmp_path / "mixed", tmp_path / "r.yaml", device="cpu")
+    assert out.output_bytes == result.predicted_bytes <= result.budget_bytes
+    assert out.tensors_by_kind.get("fp8_quantize", 0) >= 8  # the attention of both layers, as the base had it
+
+
+def test_budget_never_writes_a_recipe_over_its_budget(budget_inputs, tmp_path, monkeypatch):
+    """It wrote a recipe predicted at 1,722,400 bytes for a budget of 1,659,297, its comment saying it fits, exit 0.
+    Here the per-option size estimate is made low, so that no choice the greedy step allows converts within it."""
+    import quantkit.budget as b
+
+    src, base, data = budget_inputs
+    real = b.option_bytes
+    monkeypatch.setattr(b, "option_bytes", lambda *args: None if real(*args) is None else int(real(*args) * 0.8))
+    first = b.budget(src, recipe=str(base), size="0.9", out=tmp_path / "r.yaml", data=data, samples=2, seq_len=32,
+                     device="cpu")
+    with pytest.raises(QuantkitError, match="nothing written"):
+        b.budget(src, recipe=str(base), size=str(first.smallest_bytes), out=tmp_path / "tight.yaml", data=data,
+                 samples=2, seq_len=32, device="cpu")
+    assert not (tmp_path / "tight.yaml").exists()

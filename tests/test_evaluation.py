@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import evaldata
+from helpers import evaldata, one_line_error, quantkit
 
 from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
@@ -127,3 +127,15 @@ def test_bad_input(smollm2_bf16, arc_run, tmp_path, synthetic):
     convert(smollm2_bf16, other, "dense-w4a16-g32", device="cpu")
     with pytest.raises(QuantkitError, match="holds a run with a different model"):
         evaluate(other, tasks=["arc_easy", "gsm8k"], data_dir=DATA, limit=6, out=arc_run.run_dir)
+
+
+def test_eval_never_writes_its_run_into_the_model(synthetic, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(synthetic["llama"], model)
+    before = sorted(p.name for p in model.rglob("*"))
+    for out in (model, model / "runs"):
+        result = quantkit("eval", model, "--tasks", "arc_easy", "--limit", 2, "--out", out)
+        one_line_error(result, "RUN_DIR must not be the model folder or inside it", code=None)
+    assert sorted(p.name for p in model.rglob("*")) == before

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from helpers import BILLION_LAUGHS, one_line_error, quantkit, suite, write_generations, write_run
+from helpers import BILLION_LAUGHS, one_line_error, plant_link, quantkit, replaced_by_a_picture, suite, write_generations, write_run
 from quantkit.cli import app
 from quantkit.release.gate import CannotCompare, gate
 from quantkit.release.stats import paired_binary_interval
@@ -237,3 +237,12 @@ def test_gate_margins_beyond_100_points_are_one_line(tmp_path, margin):
     base = write_run(tmp_path / "b", {"arc_easy": [1, 0] * 50})
     cand = write_run(tmp_path / "c", {"arc_easy": [1, 0] * 50}, model="n")
     one_line_error(quantkit("gate", base, cand, "--margin", margin), "the margin is a loss in accuracy points, from 0 to 100", code=None)
+
+
+def test_the_gates_charts_are_not_written_through_a_link(tmp_path):
+    a = write_run(tmp_path / "a", {"arc_easy": [1, 0] * 200}, model="base")
+    b = write_run(tmp_path / "b", {"arc_easy": [1, 1] * 200}, model="cand")
+    target = plant_link(tmp_path / "report" / "forest.png", tmp_path)
+    result = quantkit("gate", a, b, "--suite", suite(tmp_path, ["arc_easy"]), "--report", tmp_path / "report")
+    assert result.exit_code == 0, result.output
+    assert replaced_by_a_picture(tmp_path / "report" / "forest.png", target)

@@ -237,3 +237,19 @@ def test_emulated_fp8_kv_keeps_the_padding_mask(synthetic):
         batched = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
         alone = model(torch.tensor([short])).logits[0, -1]
     assert torch.allclose(batched[0], alone, atol=1e-4)
+
+
+def test_calibrate_kv_in_place_never_writes_its_plot_through_a_link_in_the_model(synthetic, tmp_path):
+    import torch
+
+    from quantkit.kv.calibrate import calibrate_kv
+
+    out = tmp_path / "int4"
+    convert(synthetic["llama"], out, "dense-w4a16-g128", device="cpu")
+    tokenizer = out / "tokenizer_config.json"
+    before = tokenizer.read_bytes()
+    (out / "kv_scales.png").symlink_to(tokenizer.name)  # inside the model, pointing at its tokenizer
+    calibrate_kv(out, in_place=True, batches=[torch.randint(0, 512, (1, 16)) for _ in range(2)], device="cpu")
+    assert tokenizer.read_bytes() == before
+    assert not (out / "kv_scales.png").is_symlink() and (out / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
+    assert open_checkpoint(out).config.quantization_config["kv_cache_scheme"]

@@ -3,7 +3,7 @@
 import shutil
 
 import pytest
-from helpers import one_line_error, quantkit
+from helpers import one_line_error, plant_link, quantkit, replaced_by_a_picture
 from typer.testing import CliRunner
 
 from quantkit.checkpoint.config import ModelConfig
@@ -136,3 +136,53 @@ def test_planning_runs_with_the_cyclic_collector_paused_and_leaves_it_as_found(s
 
 def test_plan_with_infinite_gpu_memory_is_one_line(synthetic):
     one_line_error(quantkit("plan", synthetic["llama"], "--gpu-mem-gib", "inf"), "--gpu-mem-gib must be a GPU's memory", code=None)
+
+
+def test_plan_deploys_chart_is_not_written_through_a_link(synthetic, tmp_path):
+    chart = tmp_path / "plan-memory.png"
+    target = plant_link(chart, tmp_path)
+    result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
+                      "--gpu-mem-gib", 1, "--chart", chart)
+    assert result.exit_code == 0, result.output
+    assert replaced_by_a_picture(chart, target)
+
+
+def test_a_chart_path_matplotlib_cannot_write_is_one_line(synthetic, tmp_path):
+    result = quantkit("plan", synthetic["glm_moe_dsa"], "--recipe", "glm5-int4-experts-g32", "--deploy",
+                      "--gpu-mem", 1, "--chart", tmp_path / "chart.txt")
+    one_line_error(result, "a chart is written as .png", code=None)
+    assert "internal error" not in result.output and not (tmp_path / "chart.txt").exists()
+
+
+def glm_config_only(synthetic, tmp_path, **fields):
+    import json
+
+    config = json.loads((synthetic["glm_moe_dsa"] / "config.json").read_text())
+    config.pop("indexer_types", None)
+    config.update(fields)
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, config
+
+
+def test_plan_reads_glm5s_index_topk_pattern_with_its_mtp_layer(synthetic, tmp_path):
+    from quantkit.plan import plan
+
+    n = 3
+    folder, _ = glm_config_only(synthetic, tmp_path, num_hidden_layers=n, index_topk_pattern="FFF")
+    assert plan(folder).total_params == plan(synthetic["glm_moe_dsa"]).total_params  # every layer "full" there too
+    (tmp_path / "b").mkdir()
+    shared, _ = glm_config_only(synthetic, tmp_path / "b", num_hidden_layers=n, index_topk_pattern="FSF")
+    assert plan(shared).total_params < plan(folder).total_params  # a shared layer holds no indexer weights
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(index_topk_freq="x"), "index_topk_freq = 'x': expected an integer"),
+    (dict(index_skip_topk_offset=[1]), "index_skip_topk_offset = [1]: expected an integer"),
+    (dict(index_topk_pattern="FX"), "index_topk_pattern: expected a string of F and S"),
+    (dict(index_topk_pattern="FF"), "index_topk_pattern has 2 entries for num_hidden_layers = 3"),
+])
+def test_plan_refuses_indexer_fields_it_cannot_read_in_one_line(synthetic, tmp_path, fields, says):
+    folder, _ = glm_config_only(synthetic, tmp_path, **fields)
+    one_line_error(quantkit("plan", folder), says, code=None)

@@ -2,6 +2,8 @@
 
 import pytest
 
+from helpers import INT4_GROUP, int4_group_recipe, one_line_error, quantkit
+from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import load_recipe
 from quantkit.packaged import recipes_dir
@@ -82,3 +84,45 @@ def test_bad_recipes_are_one_line_errors(tmp_path, text, message):
 def test_unknown_recipe_lists_the_built_in_ones():
     with pytest.raises(QuantkitError, match="glm5-int4-experts-g32"):
         load_recipe("no-such-recipe")
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(more=", observer: mse"), "weights.observer 'mse' is not applied"),
+    (dict(more=", scale_dtype: float16"), "weights.scale_dtype 'torch.float16' is not applied"),
+    (dict(more=", dynamic: true"), "weights.dynamic True is not applied"),
+    (dict(fmt="          format: nvfp4-pack-quantized\n"), "format 'nvfp4-pack-quantized': 4-bit int weights are "
+                                                            "written pack-quantized"),
+    (dict(sym="false", strategy="channel", gs="-1"), "asymmetric INT4 is written group-wise only"),
+    (dict(gs='"32"'), "group_size '32' is not an integer"),
+    (dict(gs="1e400"), "group_size '1e400' is not an integer"),
+])
+def test_a_recipe_argument_quantkit_does_not_apply_is_refused_naming_it(synthetic, tmp_path, kwargs, says):
+    result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", int4_group_recipe(tmp_path, **kwargs))
+    one_line_error(result, says, code=None)
+    assert "internal error" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_group_without_a_format_is_written_in_the_one_its_weights_have(synthetic, tmp_path):
+    import json
+
+    from quantkit.verify import verify
+
+    convert(synthetic["llama"], tmp_path / "out", int4_group_recipe(tmp_path), device="cpu")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == config["config_groups"]["g"]["format"] == "pack-quantized"
+    assert verify(tmp_path / "out", source=synthetic["llama"]).passed
+
+
+def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(synthetic, tmp_path):
+    """31 levels of {a: *prev, b: *prev}: 62 alias uses, under the use cap, and two billion nodes expanded; convert
+    walked them at 100 % CPU (killed at 60 s)."""
+    import time
+
+    levels = ["l0: &l0 [x]"] + [f"l{i}: &l{i} {{a: *l{i - 1}, b: *l{i - 1}}}" for i in range(1, 32)]
+    text = "unused:\n" + "".join(f"  {line}\n" for line in levels) + INT4_GROUP.format(
+        sym="true", strategy="group", gs="32", more="", fmt="")
+    (tmp_path / "bomb.yaml").write_text(text)
+    started = time.perf_counter()
+    result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", tmp_path / "bomb.yaml")
+    one_line_error(result, "nodes with its aliases expanded", code=None)
+    assert time.perf_counter() - started < 10 and not (tmp_path / "out").exists()

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import evaldata, revise_in_place
+from helpers import evaldata, release_config, revise_in_place
 
+from quantkit.checkpoint.reader import open_checkpoint
 from quantkit.checkpoint.manifest import load_manifest
 from quantkit.errors import QuantkitError
 from quantkit.examples.smollm2 import block_fp8_release
@@ -158,3 +159,26 @@ def test_a_source_revised_in_place_is_converted_again_on_resume(fp8_source, tmp_
     assert statuses == [("plan", "ran"), ("convert", "ran")]
     after = load_manifest(model).shards
     assert after != before and {n for n in after if after[n].source_digest != before[n].source_digest}
+
+
+def test_release_resume_after_the_source_was_replaced_runs_every_stage_again(synthetic, tmp_path):
+    """It reported every stage "done earlier" and would have published the old conversion."""
+    import shutil
+
+
+    from quantkit.examples.synthetic import build_synthetic
+    from quantkit.release import ReleaseStopped, release
+
+    source = tmp_path / "source"
+    shutil.copytree(synthetic["llama"], source)
+    config = release_config(tmp_path, source)
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):  # no data: the chain stops after verify
+        release(config)
+    shutil.rmtree(source)
+    build_synthetic("llama", source, seed=9, fp8=False, num_hidden_layers=3)  # another model at the same path
+    seen = []
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):
+        release(config, resume=True, on_stage=seen.append)
+    assert [(r.stage, r.status) for r in seen] == [("plan", "ran"), ("convert", "ran"), ("calibrate-kv", "skipped"),
+                                                   ("verify", "ran")]
+    assert open_checkpoint(tmp_path / "release-work" / "model").config.num_hidden_layers == 3

@@ -165,3 +165,41 @@ def test_verdict_json_is_strict_json(tmp_path):
     json.loads((tmp_path / "r" / "verdict.json").read_text(), parse_constant=refuse)
     page = (tmp_path / "r" / "report.html").read_text()
     assert "<table>" in page and "<pre>" not in page and page.count("data:image/png;base64,") == 1
+
+
+@pytest.mark.parametrize("looks", ["[0.9999, 1.0]", "[0.5, 1.0]"])
+def test_a_run_of_every_item_is_the_last_look_and_decides(tmp_path, looks):
+    """Looks that round to one item count are one look: [0.9999, 1.0] on 500 items said UNDECIDED (exit 3) with
+    every item evaluated, where [0.5, 1.0] said FAIL on the same data."""
+    import random
+
+
+    from quantkit.release.gate import gate
+
+    rng = random.Random(7)
+    population = 500
+    base = [int(rng.random() < 0.6) for _ in range(population)]
+    worse = [v if rng.random() > 0.15 else 0 for v in base]
+    (tmp_path / "suite.yaml").write_text(f"sequential: {{looks: {looks}}}\ntasks:\n  arc_easy: {{margin: 2}}\n")
+    a = write_seeded(tmp_path / "a", "arc_easy", base, population)
+    report = gate(a, write_seeded(tmp_path / "b", "arc_easy", worse, population, 1.0), suite=tmp_path / "suite.yaml")
+    assert report.decision == "fail" and report.sequential.look == report.sequential.looks == 2
+    if looks == "[0.9999, 1.0]":  # both looks are 500 items: one test, spending what both spend
+        assert report.sequential.alpha == pytest.approx(0.025, rel=1e-6)
+
+
+def test_differences_that_cancel_in_every_cluster_leave_the_interval_as_it_is():
+    """A design effect of 0 raised ZeroDivisionError in the gate (exit 1, the code for "a task fails")."""
+    from quantkit.evaluation.run_dir import SampleRecord
+    from quantkit.release.gate import _task_verdict
+    from quantkit.release.suite import Suite, TaskSpec
+    from quantkit.release.stats import design_effect, z_of
+
+    clusters = [str(i // 2) for i in range(400)]
+    differences = [1, -1] * 200  # a gain and a loss in every cluster
+    assert design_effect(differences, clusters) == 1.0
+    ids = [str(i) for i in range(400)]
+    b = {i: SampleRecord(item_id=i, prompt_hash=i, correct=int(int(i) % 2 == 1)) for i in ids}
+    c = {i: SampleRecord(item_id=i, prompt_hash=i, correct=int(int(i) % 2 == 0)) for i in ids}
+    verdict = _task_verdict("mmlu", ids, b, c, 2.0, z_of(0.025), Suite(tasks={"mmlu": TaskSpec(margin=2.0)}), clusters)
+    assert verdict.design_effect == 1.0 and verdict.delta == 0

@@ -9,6 +9,7 @@ from conftest import RECIPE_FOR, shard_of
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from helpers import int4_group_recipe
 from quantkit.checkpoint.writer import write_safetensors
 from quantkit.cli import app
 from quantkit.convert import convert
@@ -268,3 +269,25 @@ def test_verify_refuses_a_kv_scale_that_is_not_finite_and_positive(synthetic, tm
     report = verify(model, smoke=False)
     found = [f for f in report.findings if f.rule == "KV-cache scales are finite and above zero"]
     assert len(found) == 1 and found[0].tensor == "model.layers.0.self_attn.k_proj.k_scale", report.findings
+
+
+@pytest.mark.parametrize("where", ["group", "top"])
+def test_verify_refuses_a_config_naming_another_format_than_the_tensors_have(synthetic, tmp_path, where):
+    """config.json edited to say nvfp4-pack-quantized over INT4 tensors: an engine would read them as FP4."""
+    import json
+
+    from quantkit.verify import verify
+
+    convert(synthetic["llama"], tmp_path / "out", int4_group_recipe(tmp_path), device="cpu")
+    path = tmp_path / "out" / "config.json"
+    config = json.loads(path.read_text())
+    q = config["quantization_config"]
+    if where == "group":
+        q["config_groups"]["g"]["format"] = "nvfp4-pack-quantized"
+    else:
+        q["format"], q["config_groups"]["g"]["format"] = "nvfp4-pack-quantized", None
+    path.write_text(json.dumps(config))
+    report = verify(tmp_path / "out", smoke=False)
+    assert not report.passed
+    assert any("names format 'nvfp4-pack-quantized'; the tensor is stored pack-quantized" in f.message
+               for f in report.findings)

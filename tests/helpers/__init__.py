@@ -249,6 +249,6 @@ def revise_in_place(src: Path, tensors: str = "") -> list[str]:
     return changed
 
 
-from helpers.links import OUTSIDE, plant_link  # noqa: E402, F401  (re-exported; after the helpers those modules may use)
-from helpers.recipes import release_config, signround_recipe  # noqa: E402, F401
+from helpers.links import OUTSIDE, plant_link, replaced_by_a_picture  # noqa: E402, F401  (re-exported; after the helpers those modules may use)
+from helpers.recipes import INT4_GROUP, int4_group_recipe, release_config, signround_recipe  # noqa: E402, F401
 from helpers.runs import BILLION_LAUGHS, passing_verdict, suite, write_generations, write_run, write_seeded  # noqa: E402, F401

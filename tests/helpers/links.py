@@ -11,3 +11,6 @@ def plant_link(path, tmp_path):
     path.symlink_to(target)
     return target
 
+
+def replaced_by_a_picture(path, target) -> bool:
+    return target.read_bytes() == OUTSIDE and not path.is_symlink() and path.read_bytes()[:4] == b"\x89PNG"

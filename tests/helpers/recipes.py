@@ -33,3 +33,20 @@ def signround_recipe(folder: Path, samples=4, seq_len=64, iters=4, batch_size=2,
     path.write_text(f"{head}quantkit_calibration:\n  dataset: {data}\n  samples: {samples}\n  seq_len: {seq_len}\n{body}")
     return path
 
+
+INT4_GROUP = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        g:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: {sym}, strategy: {strategy}, group_size: {gs}{more}}}
+{fmt}"""
+
+
+def int4_group_recipe(tmp_path, sym="true", strategy="group", gs="32", more="", fmt=""):
+    """INT4_GROUP with these values, written to TMP_PATH/r.yaml."""
+    path = tmp_path / "r.yaml"
+    path.write_text(INT4_GROUP.format(sym=sym, strategy=strategy, gs=gs, more=more, fmt=fmt))
+    return path
