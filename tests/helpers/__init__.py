@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.links import OUTSIDE, plant_link, replaced_by_a_picture  # noqa: F401  (re-exported)
+from helpers.recipes import INT4_GROUP, int4_group_recipe, release_config, signround_recipe  # noqa: F401
+from helpers.runs import (  # noqa: F401
+    BILLION_LAUGHS, passing_verdict, suite, write_generations, write_run, write_seeded,
+)
 from quantkit.calibration_data import DEFAULT_DATA
 from quantkit.evaluation.run_dir import SampleRecord
 from quantkit.evaluation.tasks import TASKS
@@ -247,8 +252,3 @@ def revise_in_place(src: Path, tensors: str = "") -> list[str]:
                 f.write(data)
                 changed.append(name)
     return changed
-
-
-from helpers.links import OUTSIDE, plant_link, replaced_by_a_picture  # noqa: E402, F401  (re-exported; after the helpers those modules may use)
-from helpers.recipes import INT4_GROUP, int4_group_recipe, release_config, signround_recipe  # noqa: E402, F401
-from helpers.runs import BILLION_LAUGHS, passing_verdict, suite, write_generations, write_run, write_seeded  # noqa: E402, F401
