@@ -77,7 +77,7 @@ def timed_phases(phases: dict) -> None:
 
     wrap(convert_module, "_setup", "setup")
     wrap(pipeline, "capture_graphs", "capture")
-    wrap(pipeline, "_convert_shard", "jobs_thread_s")
+    wrap(pipeline, "convert_shard", "jobs_thread_s")
     wrap(convert_module, "run_all", "run_all")
     wrap(dst, "finish", "finish")
 

@@ -280,7 +280,8 @@ def tmpfs_main(args) -> None:
                 runs[f"{label} {size} x{workers}"] = r
                 print(f"{label}, {size} shards ({r['shards']}), x{workers}: {r['in_process_seconds']:.2f}s in process "
                       f"({r['GBps']:.2f} GB/s of input), {r['seconds']:.1f}s end to end, peak RSS "
-                      f"{r['peak_rss_GiB']:.1f} GiB; stages { {k: round(v, 1) for k, v in r['stage_seconds'].items()} }",
+                      f"{r['peak_rss_GiB']:.1f} GiB (whole tree, PSS: {r['peak_tree_pss_GiB']:.1f} GiB); "
+                      f"stages { {k: round(v, 1) for k, v in r['stage_seconds'].items()} }",
                       flush=True)
     out_bytes = next(iter(runs.values()))["output_bytes"]
     ceilings = {}
@@ -293,10 +294,12 @@ def tmpfs_main(args) -> None:
     print(f"model_free_ptq x{args.peer_workers}: {peer['seconds']:.1f}s end to end, {peer_work:.1f}s after imports "
           f"({gb / peer_work:.2f} GB/s of input)", flush=True)
     best = min(ceilings.values())
-    print("\n| run | s | GB/s of input | share of the memory ceiling |\n|---|---|---|---|")
+    print("\n| run | s | GB/s of input | share of the memory ceiling | peak memory, whole tree (PSS) GiB |\n"
+          "|---|---|---|---|---|")
     for name, r in runs.items():
         share = 100 * best / r["in_process_seconds"]
-        print(f"| {name} | {r['in_process_seconds']:.2f} | {r['GBps']:.2f} | {share:.0f} % |")
+        print(f"| {name} | {r['in_process_seconds']:.2f} | {r['GBps']:.2f} | {share:.0f} % | "
+              f"{r['peak_tree_pss_GiB']:.2f} |")
     print(f"| model_free_ptq x{args.peer_workers} (after imports) | {peer_work:.1f} | {gb / peer_work:.2f} | "
           f"{100 * best / peer_work:.0f} % |")
     print(f"| ceiling (best of {sorted(ceilings)}) | {best:.2f} | {gb / best:.2f} | 100 % |")
@@ -333,8 +336,43 @@ PEER_SCRIPT = textwrap.dedent(
     """
 )
 
-RSS_WRAPPER = "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); " \
-    "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+# Peak memory of the whole process tree (a conversion on GPUs runs in worker processes): the sum of each process's
+# PSS, sampled every 50 ms (PSS splits the pages forked workers share, so torch's pages count once); and the largest
+# single process's RSS as the kernel counted it.
+TREE_MEMORY = textwrap.dedent("""
+    import resource, subprocess, sys, time
+    from pathlib import Path
+
+    def children(pids):
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in pids:
+                    out.append(int(stat.parent.name))
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    def pss_kb(pid):
+        try:
+            line = next(x for x in open(f"/proc/{pid}/smaps_rollup") if x.startswith("Pss:"))
+            return int(line.split()[1])
+        except (OSError, StopIteration):
+            return 0
+
+    p = subprocess.Popen(sys.argv[1:])
+    peak = 0
+    while p.poll() is None:
+        tree, level = [p.pid], [p.pid]
+        while level:
+            level = children(set(level))
+            tree += level
+        peak = max(peak, sum(pss_kb(q) for q in tree))
+        time.sleep(0.05)
+    print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
+    print("PEAK_TREE_PSS_KB", peak, file=sys.stderr)
+    sys.exit(p.returncode)
+""")
 
 
 def timed_run(cmd: list[str], env=None, cwd=None) -> dict:
@@ -343,14 +381,15 @@ def timed_run(cmd: list[str], env=None, cwd=None) -> dict:
     before anyone could rely on the files."""
     os.sync()
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], capture_output=True, text=True, env=env, cwd=cwd)
+    done = subprocess.run([sys.executable, "-c", TREE_MEMORY, *cmd], capture_output=True, text=True, env=env, cwd=cwd)
     t1 = time.perf_counter()
     os.sync()
     seconds = time.perf_counter() - t0
     if done.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rss = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("PEAK_RSS_KB")))
-    return {"seconds": seconds, "sync_seconds": seconds - (t1 - t0), "peak_rss_GiB": rss / 2**20, "stdout": done.stdout}
+    kb = {k: int(v) for k, v in (line.split() for line in done.stderr.splitlines() if line.startswith("PEAK_"))}
+    return {"seconds": seconds, "sync_seconds": seconds - (t1 - t0), "peak_rss_GiB": kb["PEAK_RSS_KB"] / 2**20,
+            "peak_tree_pss_GiB": kb["PEAK_TREE_PSS_KB"] / 2**20, "stdout": done.stdout}
 
 
 # quantkit with each shard left in the page cache until its final fsync (the writer before chunked writeback)

@@ -14,6 +14,11 @@ class QuantkitError(Exception):
         self.tensor = tensor
         super().__init__(self.line())
 
+    def __reduce__(self):
+        # a conversion's worker process sends its error to the parent by pickle; rebuilt without calling __init__,
+        # whose arguments differ between subclasses
+        return _rebuilt, (self.__class__, self.args, self.__dict__)
+
     def line(self) -> str:
         where = []
         if self.file:
@@ -23,6 +28,13 @@ class QuantkitError(Exception):
         prefix = ": ".join(where)
         text = f"{prefix}: {self.message}" if prefix else self.message
         return " ".join(text.split())
+
+
+def _rebuilt(cls: type[QuantkitError], args: tuple, state: dict) -> QuantkitError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class CannotCompare(QuantkitError):

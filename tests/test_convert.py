@@ -167,6 +167,100 @@ def test_output_is_identical_across_worker_counts_and_shard_sizes_hold(synthetic
     assert a == b
 
 
+def test_worker_processes_write_what_worker_threads_write(synthetic, tmp_path, monkeypatch):
+    """On GPUs each worker is a process (convert/processes.py); made so on a CPU, the output is the same bytes, every
+    shard is in the manifest, and every source byte reaches the progress bar."""
+    import quantkit.convert as qc
+
+    src, recipe = synthetic["glm_moe_dsa"], "glm5-int4-experts-g32"
+    convert(src, tmp_path / "threads", recipe, device="cpu", workers=2, max_shard_size="700KB")
+    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers: True)
+    seen: list[tuple[int, int]] = []
+    result = convert(src, tmp_path / "processes", recipe, device="cpu", workers=2, max_shard_size="700KB",
+                     on_progress=lambda done, total: seen.append((done, total)))
+    a, b = tree_bytes(tmp_path / "threads"), tree_bytes(tmp_path / "processes")
+    manifests = [json.loads(x.pop("quantkit-manifest.json")) for x in (a, b)]
+    assert a == b and manifests[0]["shards"] == manifests[1]["shards"] and result.shards_total > 2
+    assert seen[-1][0] == seen[-1][1] and len(seen) > result.shards_total
+    assert result.stage_seconds["write"] > 0
+
+
+def test_a_worker_process_failure_is_the_one_line_error_and_nothing_partial_stays(glm_copy, tmp_path, monkeypatch):
+    import quantkit.convert as qc
+    from conftest import shard_of
+
+    tensor = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"
+    path = shard_of(glm_copy, tensor)
+    tensors = load_file(path)
+    tensors[tensor] = tensors[tensor].clone().fill_(float("nan"))
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers: True)
+    with pytest.raises(QuantkitError, match="NaN") as failure:
+        convert(glm_copy, tmp_path / "dst", "glm5-int4-experts-g32", device="cpu", workers=2, max_shard_size="700KB")
+    assert failure.value.tensor == tensor and failure.value.file == str(path)
+    assert not list((tmp_path / "dst").glob(".*.partial"))
+    assert json.loads((tmp_path / "dst" / "quantkit-manifest.json").read_text())["status"] != "complete"
+
+
+KILLED_MID_WAY = """
+import os, signal, sys
+from pathlib import Path
+import quantkit.convert as qc
+
+qc.uses_processes = lambda devices, workers: True
+
+
+def descendants(pid):
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            child = int(stat.parent.name)
+            out += [child] + descendants(child)
+    return out
+
+
+def die(done, total):
+    if done:  # the workers are running
+        Path(sys.argv[3]).write_text(" ".join(map(str, descendants(os.getpid()))))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+qc.convert(sys.argv[1], sys.argv[2], "glm5-int4-experts-g32", device="cpu", workers=2, max_shard_size="700KB",
+           on_progress=die)
+"""
+
+
+def test_worker_processes_die_with_the_conversion(synthetic, tmp_path):
+    """kill -9 of a conversion takes its workers with it: none goes on writing into DST, whose lock is gone."""
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    r = subprocess.run([sys.executable, "-c", KILLED_MID_WAY, str(synthetic["glm_moe_dsa"]), str(tmp_path / "dst"),
+                        str(pids)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    workers = [int(p) for p in pids.read_text().split()]
+    assert len(workers) >= 3  # the forkserver and two workers
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)]
+
+
 def test_source_is_never_modified(synthetic, tmp_path):
     before = tree_bytes(synthetic["glm_moe_dsa"])
     convert(synthetic["glm_moe_dsa"], tmp_path / "out", "glm5-int4-experts-g32", device="cpu")

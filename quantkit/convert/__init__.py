@@ -30,7 +30,8 @@ from quantkit.convert import dst as dst_folder
 from quantkit.convert.calibrated import calibration_batches_of as calibration_batches
 from quantkit.convert.calibrated.memory import Budget
 from quantkit.convert.dst import DifferentRun, output_quantization_config
-from quantkit.convert.pipeline import Job, Progress, Stats, run_all
+from quantkit.convert.pipeline import Job, Progress, ShardWork, Stats, run_all
+from quantkit.convert.processes import run_in_processes, uses_processes
 from quantkit.convert.tensor_plan import ConversionPlan, plan_conversion
 from quantkit.devices import resolve_devices
 from quantkit.errors import QuantkitError
@@ -130,8 +131,9 @@ def convert(
             quantized = _calibrate(job, manifest, on_layer)
         # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
         if todo or not finished:
-            run_all(Job(job.plan, job.ckpt, job.dst, manifest, stats, progress, quantized, made_by_walk), todo,
-                    job.workers, job.devices)
+            run = run_in_processes if uses_processes(job.devices, job.workers) else run_all
+            run(Job(ShardWork(job.plan, job.ckpt, job.dst, quantized, made_by_walk), manifest, stats, progress), todo,
+                job.workers, job.devices)
             dst_folder.finish(job.ckpt, job.recipe, job.plan, job.dst, manifest)
         for folder in (walk.WORK_DIR, walk.LEGACY_WORK_DIR):  # every calibrated result is in the shards now
             shutil.rmtree(job.dst / folder, ignore_errors=True)

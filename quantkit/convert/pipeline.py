@@ -89,21 +89,39 @@ class _Pipe:
 
 
 @dataclass
-class Job:
-    """One conversion's fixed parts, shared by every shard it writes."""
+class ShardWork:
+    """What converting any shard of one conversion reads: a worker process gets it once (it pickles)."""
 
     plan: ConversionPlan
     ckpt: Checkpoint
     dst: Path
-    manifest: Manifest
-    stats: Stats
-    progress: Progress
     quantized: CalibratedResult | None = None  # the calibrated walk's layer files, read instead of computed
     calibrated: frozenset[str] = frozenset()  # modules the calibrated walk makes (their source bytes: its digest)
 
+    def graphed(self, todo: list[OutputShard]) -> list:
+        """The computations enough of ``todo``'s tensors share to be worth a CUDA graph per slot."""
+        done = self.quantized.files if self.quantized is not None else {}
+        computed = [a for s in todo for a in s.actions if a.module not in done]
+        return frequent_computations(computed, self.plan, self.ckpt)
+
+
+@dataclass
+class Job:
+    """One conversion: what its shards read, and where their records, timings and progress go."""
+
+    work: ShardWork
+    manifest: Manifest
+    stats: Stats
+    progress: Progress
+
+    def record(self, shard: OutputShard, sha256: str, size: int, digest: str) -> None:
+        """A finished shard into the manifest, saved at once (a resumed run keeps it)."""
+        self.manifest.shards[shard.name] = ShardRecord(sha256=sha256, size=size, source_digest=digest)
+        self.manifest.save(self.work.dst)
+
 
 def run_all(job: Job, todo: list[OutputShard], workers: int, devices: list[str]) -> None:
-    """Convert the shards still to do, ``workers`` at a time; each finished shard goes into the manifest."""
+    """Convert the shards still to do, ``workers`` threads at a time; each finished shard goes into the manifest."""
     import torch
 
     threads = torch.get_num_threads()
@@ -124,25 +142,19 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
     frequent = None
     for i in range(workers):
         slot = Slot(devices[i % len(devices)])
-        with slot.on_stream():
-            if slot.graphs is not None:  # CUDA: every slot's graphs before any job runs (convert/cuda_graphs.py)
-                if frequent is None:
-                    computed = [a for s in todo for a in s.actions if job.quantized is None
-                                or a.module not in job.quantized.files]
-                    frequent = frequent_computations(computed, job.plan, job.ckpt)
-                capture_graphs(slot.graphs, frequent, job.plan, job.ckpt, slot.device)
+        if slot.device.startswith("cuda"):  # every slot's graphs before any job runs (convert/cuda_graphs.py)
+            frequent = job.work.graphed(todo) if frequent is None else frequent
+            slot.capture(job.work, frequent)
         slots.put(slot)
 
     def one(shard: OutputShard) -> None:
         slot = slots.get()
         try:
-            written, digest = _convert_shard(job, shard, slot)
+            written, digest = convert_shard(job.work, shard, slot, job.stats, job.progress)
         finally:
             slots.put(slot)
         with lock:
-            job.manifest.shards[shard.name] = ShardRecord(sha256=written.sha256, size=written.size,
-                                                          source_digest=digest)
-            job.manifest.save(job.dst)
+            job.record(shard, written.sha256, written.size, digest)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(one, s) for s in todo]
@@ -173,12 +185,18 @@ class Slot:
             self.stream, self.graphs = torch.cuda.Stream(device=self.device), GraphCache()
         return torch.cuda.stream(self.stream)
 
+    def capture(self, work: ShardWork, frequent: list) -> None:
+        """This slot's CUDA graphs of ``frequent`` computations, on its own stream."""
+        with self.on_stream():
+            assert self.graphs is not None
+            capture_graphs(self.graphs, frequent, work.plan, work.ckpt, self.device)
 
-def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
+
+def convert_shard(work: ShardWork, shard: OutputShard, slot: Slot, stats: Stats, progress: Progress):
     """Three threads per shard: read ahead -> compute (this thread) -> write and hash. For a GPU the source tensors
     are read into pinned memory, so that their copies to the device run on the slot's stream without a staging
     copy."""
-    stats, quantized, device = job.stats, job.quantized, slot.device
+    quantized, device = work.quantized, slot.device
     pinned = device.startswith("cuda")
     entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
     stop = threading.Event()
@@ -190,7 +208,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
     def read_ahead():
         try:
             layer_files: dict = {}
-            with TensorReader(job.ckpt) as reader:
+            with TensorReader(work.ckpt) as reader:
                 for action in shard.actions:
                     t0 = time.perf_counter()
                     done = quantized is not None and action.module in quantized.files
@@ -198,7 +216,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
                         tensors = quantized.read(action.module, layer_files)
                     else:
                         tensors = {name: reader.read(name, pinned=pinned) for name in action.sources}
-                    if action.module not in job.calibrated:
+                    if action.module not in work.calibrated:
                         for name in action.sources:
                             digest.add(name, tensors[name])
                     stats.add("read", time.perf_counter() - t0)
@@ -217,7 +235,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
                 for name, tensor in outputs.items():
                     writer.write(name, tensor)
                 stats.add("write", time.perf_counter() - t0)
-                job.progress.add(action.source_bytes)
+                progress.add(action.source_bytes)
             if not stop.is_set():
                 t0 = time.perf_counter()
                 written.append(writer.finish())
@@ -226,7 +244,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
             failures.append(exc)
             stop.set()
 
-    with ShardWriter(job.dst / shard.name, entries, SHARD_METADATA) as writer:
+    with ShardWriter(work.dst / shard.name, entries, SHARD_METADATA) as writer:
         threads = [threading.Thread(target=read_ahead, daemon=True),
                    threading.Thread(target=write_behind, args=(writer,), daemon=True)]
         for t in threads:
@@ -236,7 +254,7 @@ def _convert_shard(job: Job, shard: OutputShard, slot: Slot):
                 while (item := loaded.get()) is not _DONE:
                     action, tensors, done = item
                     outputs = calibrated_outputs(action, tensors) if done else run_action(
-                        action, tensors, job.plan, job.ckpt, device, stats, slot.graphs)
+                        action, tensors, work.plan, work.ckpt, device, stats, slot.graphs)
                     if not computed.put((action, outputs)):
                         break
             computed.put(_DONE)
