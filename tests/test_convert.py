@@ -174,7 +174,7 @@ def test_worker_processes_write_what_worker_threads_write(synthetic, tmp_path, m
 
     src, recipe = synthetic["glm_moe_dsa"], "glm5-int4-experts-g32"
     convert(src, tmp_path / "threads", recipe, device="cpu", workers=2, max_shard_size="700KB")
-    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers: True)
+    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers, todo_bytes: True)
     seen: list[tuple[int, int]] = []
     result = convert(src, tmp_path / "processes", recipe, device="cpu", workers=2, max_shard_size="700KB",
                      on_progress=lambda done, total: seen.append((done, total)))
@@ -196,7 +196,7 @@ def test_a_worker_process_failure_is_the_one_line_error_and_nothing_partial_stay
     from safetensors.torch import save_file
 
     save_file(tensors, path, metadata={"format": "pt"})
-    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers: True)
+    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers, todo_bytes: True)
     with pytest.raises(QuantkitError, match="NaN") as failure:
         convert(glm_copy, tmp_path / "dst", "glm5-int4-experts-g32", device="cpu", workers=2, max_shard_size="700KB")
     assert failure.value.tensor == tensor and failure.value.file == str(path)
@@ -209,7 +209,7 @@ import os, signal, sys
 from pathlib import Path
 import quantkit.convert as qc
 
-qc.uses_processes = lambda devices, workers: True
+qc.uses_processes = lambda devices, workers, todo_bytes: True
 
 
 def descendants(pid):

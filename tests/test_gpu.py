@@ -88,6 +88,28 @@ def test_conversions_replay_graphs_and_equal_the_cpu_to_the_byte(synthetic, tmp_
         assert tree_bytes(tmp_path / recipe / "cuda") == tree_bytes(tmp_path / recipe / "cpu"), recipe
 
 
+def test_worker_processes_on_cuda_equal_the_cpu_to_the_byte(glm_copy, tmp_path, monkeypatch):
+    """Each worker a process with a CUDA context, stream and graphs of its own (convert/processes.py, chosen for large
+    jobs): the CPU's bytes; a bad value in a worker is the one-line error naming the tensor."""
+    import quantkit.convert as qc
+
+    monkeypatch.setattr(qc, "uses_processes", lambda devices, workers, todo_bytes: True)
+    for recipe in ("glm5-int4-experts-g32", "glm5-int4-experts-asym-g32"):
+        args = [glm_copy, "-r", recipe, "--max-shard-size", "700KB"]
+        quantkit("convert", args[0], tmp_path / recipe / "cpu", *args[1:], "--device", "cpu")
+        quantkit("convert", args[0], tmp_path / recipe / "cuda", *args[1:], "--device", "cuda", "--workers", "3")
+        assert tree_bytes(tmp_path / recipe / "cuda") == tree_bytes(tmp_path / recipe / "cpu"), recipe
+    late = "model.layers.2.mlp.experts.7.down_proj.weight_scale_inv"
+    path = shard_of(glm_copy, late)
+    tensors = load_file(path)
+    tensors[late] = torch.full_like(tensors[late], float("inf"))
+    write_safetensors(path, tensors)
+    result = runner.invoke(app, ["convert", str(glm_copy), str(tmp_path / "inf"), "-r", "glm5-int4-experts-g32",
+                                 "--device", "cuda", "--workers", "3"])
+    assert result.exit_code != 0 and late in result.output and "NaN" in result.output
+    assert not list((tmp_path / "inf").glob(".*.partial"))
+
+
 def test_bad_values_are_caught_in_replayed_graphs(glm_copy, tmp_path):
     """A late expert's scale, replayed in a graph captured before the job started (from zeros)."""
     late = "model.layers.2.mlp.experts.7.down_proj.weight_scale_inv"
@@ -129,8 +151,8 @@ def test_gptq_of_a_dense_model_on_cuda_lands_within_a_hair_of_the_cpus(tmp_path)
     losses = {}
     for device in ("cpu", "cuda"):
         result = convert(model, tmp_path / device, recipe, device=device, dtype="bf16")  # both llm-compressor's
-        assert result.calibrated["weights_by_method"] == {"gptq": 9}
-        losses[device] = [layer["loss"] for layer in result.calibrated["layers"]]
+        assert result.calibrated.weights_by_method == {"gptq": 9}
+        losses[device] = [layer["loss"] for layer in result.calibrated.layers]
     quantkit("verify", tmp_path / "cuda", "--source", model)
     assert len(losses["cuda"]) == 3
     assert all(abs(g - c) <= 0.01 * c for g, c in zip(losses["cuda"], losses["cpu"])), losses
@@ -143,7 +165,7 @@ def test_gptq_with_routed_experts_on_cuda(synthetic, tmp_path):
     recipe.write_text(recipe.read_text().replace("quantkit_calibration:\n",
                                                  "quantkit_calibration:\n  experts: routed\n  min_expert_tokens: 8\n"))
     result = convert(synthetic["glm_moe_dsa"], tmp_path / "routed", recipe, device="cuda")
-    assert result.calibrated["weights_by_method"].get("gptq", 0) > 0, result.calibrated["weights_by_method"]
+    assert result.calibrated.weights_by_method.get("gptq", 0) > 0, result.calibrated.weights_by_method
     quantkit("verify", tmp_path / "routed", "--source", synthetic["glm_moe_dsa"])
 
 def _routed_gptq(tmp_path):
@@ -190,7 +212,7 @@ def test_signround_experts_in_groups_on_cuda(tmp_path, monkeypatch):
     layers = []
     result = convert(model, tmp_path / "sr", recipe, device="cuda", on_layer=lambda report, n: layers.append(report))
     assert [r.expert_groups for r in layers] == [4, 4]
-    assert result.calibrated["weights_by_method"] == {"signround": 48, "rtn": 24}
+    assert result.calibrated.weights_by_method == {"signround": 48, "rtn": 24}
     quantkit("verify", tmp_path / "sr", "--source", model)
 
 
@@ -273,7 +295,7 @@ def test_signround_and_budget_on_cuda(tmp_path):
 
     model = build_synthetic("llama", tmp_path / "bf16", seed=1, fp8=False, num_hidden_layers=3)
     result = convert(model, tmp_path / "sr", signround_recipe(tmp_path), device="cuda")
-    assert result.calibrated["weights_by_method"] == {"signround": 9} and result.devices == ["cuda:0"]
+    assert result.calibrated.weights_by_method == {"signround": 9} and result.devices == ["cuda:0"]
     quantkit("verify", tmp_path / "sr", "--source", model)
     plan = budget(model, recipe="dense-mlp-w4a16-g32", size="0.6", out=tmp_path / "b.yaml",
                   data=tmp_path / "calibration-0.jsonl", samples=4, seq_len=64, device="cuda")

@@ -61,7 +61,7 @@ class ConvertResult:
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     tensors_by_group: dict[str, int] = field(default_factory=dict)  # recipe group -> weights it took
-    calibrated: dict | None = None  # GPTQ, SignRound recipes: weights by method, tokens per expert, per-layer loss
+    calibrated: calibrated.CalibratedSummary | None = None  # GPTQ, SignRound recipes
     skipped_files: list[str] = field(default_factory=list)  # weight files in SRC the index does not own
     warnings: list[str] = field(default_factory=list)
 
@@ -131,7 +131,8 @@ def convert(
             quantized = _calibrate(job, manifest, on_layer)
         # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
         if todo or not finished:
-            run = run_in_processes if uses_processes(job.devices, job.workers) else run_all
+            todo_bytes = sum(s.source_bytes for s in todo)
+            run = run_in_processes if uses_processes(job.devices, job.workers, todo_bytes) else run_all
             run(Job(ShardWork(job.plan, job.ckpt, job.dst, quantized, made_by_walk), manifest, stats, progress), todo,
                 job.workers, job.devices)
             dst_folder.finish(job.ckpt, job.recipe, job.plan, job.dst, manifest)
@@ -176,8 +177,8 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
         raise QuantkitError(f"--calibration-data is for GPTQ and SignRound recipes; {rec.name} is round-to-nearest")
     if rec.calibration:  # the algorithm's libraries and reach, checked before DST exists
         calibrated.QUANTIZERS[rec.algorithm]().check(ckpt, plan, rec)
-    if resume and dtype == "auto" and rec.gptq:
-        dtype = calibrated.started_in(dst, ckpt)
+    if resume:
+        dtype = calibrated.resumed_dtype(rec, dtype, dst, ckpt)
     compute = calibrated.walk_dtype(rec, dtype, devices[0], ckpt)
     batches = calibration_batches(ckpt, rec, calibration_data) if rec.calibration else None
     if gpu_memory is not None and not devices[0].startswith("cuda"):

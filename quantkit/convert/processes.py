@@ -25,12 +25,16 @@ from quantkit.convert.pipeline import Job, Progress, ShardWork, Slot, Stats, con
 from quantkit.convert.tensor_plan import OutputShard
 
 PRELOAD = ["torch", "quantkit.convert.processes"]
+# Worker processes cost seconds to start (the forkserver's torch import, a CUDA context and graphs each: 6 s for 4
+# and 9 s for 16 on one H100) and then convert twice as fast as threads (12.7 against 6.2 GB/s of input at 16
+# workers, docs/benchmarks.md "Throughput III"): they finish first from about 100 GB of work.
+PROCESSES_FROM_BYTES = 100 * 10**9
 
 
-def uses_processes(devices: list[str], workers: int) -> bool:
-    """Processes on GPUs; on a CPU each tensor's torch work is long and releases the GIL, and a laptop would pay a
-    torch import per worker process."""
-    return devices[0].startswith("cuda") and workers > 1
+def uses_processes(devices: list[str], workers: int, todo_bytes: int) -> bool:
+    """Processes for a large job on GPUs; threads on a CPU, where each tensor's torch work is long and releases the
+    GIL and a laptop would pay a torch import per worker process."""
+    return devices[0].startswith("cuda") and workers > 1 and todo_bytes >= PROCESSES_FROM_BYTES
 
 
 @dataclass
