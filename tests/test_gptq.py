@@ -78,7 +78,7 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
     recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", samples=samples, seq_len=seq_len)
     # in BF16, as oneshot computes the model it loads in BF16 (auto computes in FP32 on a CPU slow at BF16)
     ours = convert(smollm2_bf16, tmp_path / "ours", recipe, device="cpu", dtype="bf16")
-    assert ours.calibrated["weights_by_method"] == {"gptq": 3 * LAYERS} and ours.calibrated["computed_in"] == "bfloat16"
+    assert ours.calibrated.weights_by_method == {"gptq": 3 * LAYERS} and ours.calibrated.computed_in == "bfloat16"
 
     batches = calibration_batches(open_checkpoint(smollm2_bf16), load_recipe(recipe), None)
     # llm-compressor's LengthAwareSampler visits equal-length samples in torch.argsort(descending=True)'s
@@ -322,7 +322,7 @@ def test_the_walks_dtype_changes_the_arithmetic_not_the_format_and_a_resume_keep
     data = token_file(tmp_path / "calibration.jsonl", 8, 64, seed=0)
     recipe = small_recipe(tmp_path, "dense-mlp-w4a16-gptq-g32", "r", dataset=data, samples=8, seq_len=64)
     runs = {d: convert(src, tmp_path / d, recipe, device="cpu", dtype=d) for d in ("bf16", "fp32")}
-    assert runs["fp32"].calibrated["computed_in"] == "float32" and runs["bf16"].calibrated["computed_in"] == "bfloat16"
+    assert runs["fp32"].calibrated.computed_in == "float32" and runs["bf16"].calibrated.computed_in == "bfloat16"
     assert load_manifest(tmp_path / "fp32").computed_in == "float32"
     assert load_manifest(tmp_path / "bf16").computed_in is None  # the model's own, as every older manifest
     bf16, fp32 = load_all(tmp_path / "bf16"), load_all(tmp_path / "fp32")
@@ -335,7 +335,7 @@ def test_the_walks_dtype_changes_the_arithmetic_not_the_format_and_a_resume_keep
         convert(src, tmp_path / "fp32", recipe, device="cpu", dtype="bf16", resume=True)
     # auto resumed takes what the run started in, whatever a probe would pick now
     again = convert(src, tmp_path / "fp32", recipe, device="cpu", resume=True)
-    assert again.shards_written == 0 and again.calibrated["computed_in"] == "float32"
+    assert again.shards_written == 0 and again.calibrated.computed_in == "float32"
 
 
 def test_signround_tunes_in_the_models_dtype_only(synthetic, tmp_path):

@@ -19,13 +19,13 @@ def test_parsing_equals_llm_compressor(name):
     theirs = modifier.resolve_quantization_config()
     recipe = load_recipe(name)
     ours = recipe.config
-    assert (recipe.gptq is not None) == (type(modifier).__name__ == "GPTQModifier")
-    if recipe.gptq is not None:
-        assert recipe.gptq.block_size == modifier.block_size
-        assert recipe.gptq.dampening_frac == modifier.dampening_frac
+    assert (recipe.algorithm == "gptq") == (type(modifier).__name__ == "GPTQModifier")
+    if recipe.algorithm == "gptq":
+        assert recipe.calibrated.block_size == modifier.block_size
+        assert recipe.calibrated.dampening_frac == modifier.dampening_frac
         # llm-compressor resolves the modifier's actorder into each group; quantkit keeps it as the
         # modifier's setting and writes the groups without it (the format has no g_idx either way)
-        assert all(g.weights.actorder == recipe.gptq.actorder for g in theirs.config_groups.values())
+        assert all(g.weights.actorder == recipe.calibrated.actorder for g in theirs.config_groups.values())
     assert list(ours.config_groups) == list(theirs.config_groups)
     for group, scheme in ours.config_groups.items():
         other = theirs.config_groups[group]

@@ -65,7 +65,7 @@ def peer_oneshot(model_dir: Path, recipe: Path, out: Path) -> dict[str, torch.Te
     from transformers import AutoModelForCausalLM
 
     rec = load_recipe(recipe)
-    cal = rec.signround.calibration
+    cal = rec.calibration
     rows = [json.loads(line)["input_ids"] for line in Path(cal.dataset).read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     source = {n: p.detach().clone() for n, p in model.named_parameters() if "self_attn" in n}
@@ -91,9 +91,9 @@ def llama(synthetic, tmp_path_factory):
 def test_weights_equal_llm_compressor_oneshot_autoround(llama, tmp_path):
     recipe = signround_recipe(tmp_path)
     result = convert(llama, tmp_path / "ours", recipe, device="cpu")
-    assert result.calibrated["weights_by_method"] == {"signround": 9}
-    assert [r["method"] for r in result.calibrated["layers"]] == ["signround"] * 3
-    assert all(r["loss"] > 0 and "tune" in r["phases"] for r in result.calibrated["layers"])
+    assert result.calibrated.weights_by_method == {"signround": 9}
+    assert [r["method"] for r in result.calibrated.layers] == ["signround"] * 3
+    assert all(r["loss"] > 0 and "tune" in r["phases"] for r in result.calibrated.layers)
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
     theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
     quantized = [n for n in mine if n.endswith(("weight_packed", "weight_scale"))]
@@ -153,7 +153,7 @@ def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monk
     monkeypatch.setattr(signround, "autoround_libraries", recording)
     recipe = signround_recipe(tmp_path, base="dense-mlp-w4a16-signround-asym-g32")
     result = convert(llama, tmp_path / "ours", recipe, device="cpu")
-    assert result.calibrated["weights_by_method"] == {"signround": 9}
+    assert result.calibrated.weights_by_method == {"signround": 9}
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
     theirs = peer_oneshot(llama, recipe, tmp_path / "peer")
     modules = sorted(n.removesuffix(".weight_packed") for n in mine if n.endswith(".weight_packed"))
@@ -244,8 +244,8 @@ def test_moe_experts_are_tuned_inside_their_layer_as_oneshot_tunes_them(glm5, tm
     prefix = {"glm_moe_dsa": "glm5", "deepseek_v3": "deepseek-v3"}[family]
     recipe = signround_recipe(tmp_path, base=f"{prefix}-int4-experts-signround-g32", iters=1)
     result = convert(model, tmp_path / "ours", recipe, device="cpu")
-    assert result.calibrated["weights_by_method"] == {"signround": 2 * 8 * 3, "rtn": 8 * 3}
-    assert [layer["layer"] for layer in result.calibrated["layers"]] == [1, 2]
+    assert result.calibrated.weights_by_method == {"signround": 2 * 8 * 3, "rtn": 8 * 3}
+    assert [layer["layer"] for layer in result.calibrated.layers] == [1, 2]
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
     theirs = moe_peer(model, recipe)
     assert len(theirs) == 2 * 2 * 8 * 3
@@ -262,7 +262,7 @@ def test_tuned_experts_move_the_models_output_less_than_round_to_nearest(glm5, t
 
     recipe = signround_recipe(tmp_path, samples=8, base="glm5-int4-experts-signround-g32", iters=40)
     tuned = convert(glm5, tmp_path / "tuned", recipe, device="cpu")
-    assert tuned.calibrated["weights_by_method"]["signround"] == 48
+    assert tuned.calibrated.weights_by_method["signround"] == 48
     convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
     held_out = torch.randint(2, 512, (4, 64), generator=torch.Generator().manual_seed(7))
 
@@ -289,7 +289,7 @@ def test_experts_tuned_in_groups_that_fit_a_budget(glm5, tmp_path, monkeypatch):
     layers = []
     grouped = convert(glm5, tmp_path / "grouped", recipe, device="cpu", on_layer=lambda r, n: layers.append(r))
     assert [r.expert_groups for r in layers] == [4, 4]  # 8 experts, 2 a group
-    assert grouped.calibrated["weights_by_method"] == whole.calibrated["weights_by_method"] == {"signround": 48,
+    assert grouped.calibrated.weights_by_method == whole.calibrated.weights_by_method == {"signround": 48,
                                                                                                 "rtn": 24}
     convert(glm5, tmp_path / "rtn", "glm5-int4-experts-g32", device="cpu")
     held_out = torch.randint(2, 512, (4, 64), generator=torch.Generator().manual_seed(7))
@@ -312,7 +312,7 @@ def test_a_moe_run_stopped_after_a_layer_resumes_to_the_same_bytes(glm5, tmp_pat
     recipe.write_text(recipe.read_text().replace("quant_stage:", "  experts: routed\nquant_stage:", 1))
     assert load_recipe(recipe).calibration.experts == "routed"
     reference = convert(glm5, tmp_path / "reference", recipe, device="cpu")
-    assert reference.calibrated["weights_by_method"]["signround"] == 48
+    assert reference.calibrated.weights_by_method["signround"] == 48
     dst = tmp_path / "dst"
     stop_after_first_layer(glm5, dst, recipe)
     saved = load_file(str(dst / WORK_DIR / "q-input-00001.safetensors"))
@@ -328,13 +328,13 @@ def test_recipe_settings_are_the_modifiers(tmp_path):
 
     rec = load_recipe("dense-mlp-w4a16-signround-g32")
     theirs = AutoRoundModifier(iters=200, batch_size=8, enable_torch_compile=False)
-    assert (rec.signround.iters, rec.signround.batch_size, rec.signround.lr) == (theirs.iters, theirs.batch_size,
-                                                                                   theirs.lr)
+    assert (rec.calibrated.iters, rec.calibrated.batch_size, rec.calibrated.lr) == (theirs.iters, theirs.batch_size,
+                                                                                      theirs.lr)
     assert rec.algorithm == "signround" and rec.calibration.samples == 64
     bare = tmp_path / "bare.yaml"
     bare.write_text("quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      scheme: W4A16\n      "
                     "targets: [Linear]\n")
-    default = load_recipe(bare).signround
+    default = load_recipe(bare).calibrated
     peer = AutoRoundModifier(scheme="W4A16", targets=["Linear"])
     assert (default.iters, default.batch_size, default.lr, default.enable_torch_compile) == (
         peer.iters, peer.batch_size, peer.lr, peer.enable_torch_compile)
@@ -406,8 +406,8 @@ def test_the_shipped_recipe_on_a_gpu_is_as_good_as_llm_compressors_oneshot(smoll
     rows = [b[0].tolist() for b in calibration_batches(DEFAULT_DATA, cal.text_field, cal.samples, cal.seq_len, 1,
                                                        lambda: model_tokenizer(smollm2_bf16), None, require_all=True)]
     ours = convert(smollm2_bf16, tmp_path / "ours", SHIPPED, device="cuda")
-    assert ours.calibrated["weights_by_method"] == {"signround": 90} and ours.devices == ["cuda:0"]
-    assert ours.calibrated["settings"]["iters"] == 200
+    assert ours.calibrated.weights_by_method == {"signround": 90} and ours.devices == ["cuda:0"]
+    assert ours.calibrated.settings["iters"] == 200
     recipe = recipes_dir() / f"{SHIPPED}.yaml"
     users_oneshot(smollm2_bf16, recipe, rows, tmp_path / "oneshot", "cuda")
     users_oneshot(first_layers(smollm2_bf16, tmp_path / "cut", 4), recipe, rows[::-1], tmp_path / "again", "cuda")
@@ -454,4 +454,4 @@ def test_a_group_out_of_memory_is_tuned_again_in_halves_with_its_memory_given_ba
     result = convert(glm5, tmp_path / "sr", signround_recipe(tmp_path, base="glm5-int4-experts-signround-g32"),
                      device="cpu", on_layer=lambda r, n: layers.append(r))
     assert sizes == [8, 4, 4] * 2 and [r.expert_groups for r in layers] == [2, 2]
-    assert result.calibrated["weights_by_method"] == {"signround": 48, "rtn": 24}
+    assert result.calibrated.weights_by_method == {"signround": 48, "rtn": 24}

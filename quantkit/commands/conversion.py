@@ -73,14 +73,14 @@ def convert_cmd(
     for warning in result.warnings:
         out.print(f"  [yellow]warning[/]: {shown(warning)}", highlight=False)
     if result.calibrated:
-        methods = ", ".join(f"{k} {v}" for k, v in result.calibrated["weights_by_method"].items())
-        out.print(f"  {result.calibrated['algorithm']}: {methods} weight(s), layers computed in "
-                  f"{result.calibrated['computed_in']}; details per weight in DST's quantkit-manifest.json",
+        methods = ", ".join(f"{k} {v}" for k, v in result.calibrated.weights_by_method.items())
+        out.print(f"  {result.calibrated.algorithm}: {methods} weight(s), layers computed in "
+                  f"{result.calibrated.computed_in}; details per weight in DST's quantkit-manifest.json",
                   highlight=False)
-        for reason, n in result.calibrated["rtn_reasons"].items():
+        for reason, n in result.calibrated.rtn_reasons.items():
             out.print(f"  round-to-nearest: {n} x {shown(reason)}", highlight=False)
-        if result.calibrated["rtn_outside_calibration"]:
-            out.print(f"  round-to-nearest: {len(result.calibrated['rtn_outside_calibration'])} weight(s) outside the "
+        if result.calibrated.rtn_outside_calibration:
+            out.print(f"  round-to-nearest: {len(result.calibrated.rtn_outside_calibration)} weight(s) outside the "
                       "calibration forward (MTP layers)", highlight=False)
 
 

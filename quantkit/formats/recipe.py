@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -65,6 +65,8 @@ class GPTQSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # the discriminator; left out of dumps, so the calibration digests of runs started before it still match
+    algorithm: Literal["gptq"] = Field("gptq", exclude=True)
     block_size: int = Field(128, ge=1)
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     actorder: str | None = "static"  # llm-compressor's default
@@ -77,11 +79,18 @@ class SignRoundSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    algorithm: Literal["signround"] = Field("signround", exclude=True)
     iters: int = Field(200, ge=0)
     lr: float | None = Field(None, gt=0)
     batch_size: int = Field(8, ge=1)
     enable_torch_compile: bool = True
     calibration: Calibration = Field(default_factory=Calibration)
+
+
+# A calibrated algorithm's settings, told apart by ``algorithm``; the next algorithm is one more model here, its
+# modifier's entry in CALIBRATED_MODIFIERS and its quantizer's in convert/calibrated's QUANTIZERS.
+CalibratedSettings = Annotated[Union[GPTQSettings, SignRoundSettings], Field(discriminator="algorithm")]
+RTN = "rtn"  # the algorithm of a recipe without calibrated settings
 
 
 @dataclass(frozen=True)
@@ -90,18 +99,16 @@ class Recipe:
     sha256: str
     config: QuantizationConfig  # status "initialized": the compressed form is built at save time
     path: Path | None = None
-    gptq: GPTQSettings | None = None  # set when the recipe's modifier is a GPTQModifier
-    signround: SignRoundSettings | None = None  # set when it is an AutoRoundModifier
+    calibrated: CalibratedSettings | None = None  # a GPTQModifier's or AutoRoundModifier's; None: round-to-nearest
 
     @property
     def calibration(self) -> Calibration | None:
         """The calibration of a recipe that needs data (GPTQ, SignRound); None for round-to-nearest."""
-        settings = self.gptq or self.signround
-        return settings.calibration if settings is not None else None
+        return self.calibrated.calibration if self.calibrated is not None else None
 
     @property
     def algorithm(self) -> str:
-        return "gptq" if self.gptq else "signround" if self.signround else "rtn"
+        return self.calibrated.algorithm if self.calibrated is not None else RTN
 
     def calibration_data(self) -> Path | None:
         """The calibration file: a relative path reads from the recipe's folder."""
@@ -142,17 +149,14 @@ def load_recipe(recipe: str | Path) -> Recipe:
     kind, modifier = _find_modifier(doc, path)
     config = _build_config(modifier, path)
     _check_applied(config, path)
-    gptq = signround = None
-    if kind == "GPTQModifier":
-        gptq = _gptq_settings(modifier, calibration, path)
-        _check_calibrated_schemes(kind, config, path)
-    elif kind == "AutoRoundModifier":
-        signround = _signround_settings(modifier, calibration, path)
+    settings = None
+    if kind in CALIBRATED_MODIFIERS:
+        settings = CALIBRATED_MODIFIERS[kind](modifier, calibration, path)
         _check_calibrated_schemes(kind, config, path)
     elif calibration is not None:
         raise QuantkitError(f"{CALIBRATION_KEY} is only read for a GPTQModifier or AutoRoundModifier recipe", path)
-    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=config, path=path, gptq=gptq,
-                  signround=signround)
+    return Recipe(name=path.stem, sha256=hashlib.sha256(raw).hexdigest(), config=config, path=path,
+                  calibrated=settings)
 
 
 def _find_modifier(node, path: Path) -> tuple[str, dict]:
@@ -205,6 +209,11 @@ def _signround_settings(modifier: dict, calibration, path: Path) -> SignRoundSet
         return SignRoundSettings(**fields, calibration=settings)
     except ValidationError as exc:
         raise QuantkitError(f"invalid AutoRoundModifier: {field_error(exc)}", path) from exc
+
+
+# a calibrated modifier -> its settings from the modifier's fields and the recipe's calibration mapping
+CALIBRATED_MODIFIERS: dict[str, Callable[[dict, object, Path], CalibratedSettings]] = {
+    "GPTQModifier": _gptq_settings, "AutoRoundModifier": _signround_settings}
 
 
 def _check_calibrated_schemes(kind: str, config: QuantizationConfig, path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -95,20 +96,19 @@ def calibration_batches_of(ckpt: Checkpoint, rec: Recipe, override: str | os.Pat
 
 
 def walk_dtype(rec: Recipe, spec: str, device: str, ckpt: Checkpoint) -> torch.dtype | None:
-    """The dtype a GPTQ walk computes in where it is not the model's own; SignRound tunes in the model's dtype."""
-    from quantkit.compute_dtype import DTYPES, compute_dtype, dtype_name
+    """The dtype the recipe's layer walk computes in where it is not the model's own (its quantizer's choice)."""
     from quantkit.modeling import model_dtype
 
-    stored = model_dtype(ckpt.config)
-    if rec.signround:
-        if spec != "auto" and DTYPES[spec] != stored:
-            raise QuantkitError(f"recipe {rec.name}: SignRound tunes in the model's dtype ({dtype_name(stored)}), as "
-                                f"llm-compressor does; --dtype {spec} is for GPTQ recipes")
+    if rec.calibrated is None:
         return None
-    if not rec.gptq:
-        return None
-    chosen = compute_dtype(spec, device, stored)
-    return None if chosen == stored else chosen
+    return QUANTIZERS[rec.algorithm]().walk_dtype(rec, spec, device, model_dtype(ckpt.config))
+
+
+def resumed_dtype(rec: Recipe, spec: str, dst: Path, ckpt: Checkpoint) -> str:
+    """--dtype for a resumed run: ``auto`` becomes what the run in DST started in where the quantizer wants that."""
+    if spec != "auto" or rec.calibrated is None or not QUANTIZERS[rec.algorithm]().resumes_started_dtype:
+        return spec
+    return started_in(dst, ckpt)
 
 
 def started_in(dst: Path, ckpt: Checkpoint) -> str:
@@ -141,23 +141,37 @@ def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
     return any(a.module in targets for s in todo for a in s.actions)
 
 
-def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> dict:
+@dataclass
+class CalibratedSummary:
     """What the calibrated algorithm did, for the result and ``--json``: weights by method, each layer's loss, the
     experts' token counts, the dtype its layers computed in."""
+
+    weights_by_method: dict[str, int]
+    rtn_outside_calibration: list[str]  # INT4 weights the walk does not reach (MTP layers)
+    rtn_reasons: dict[str | None, int]  # why weights in the walk fell back to round-to-nearest
+    expert_tokens: dict[str, int]  # routed expert -> calibration tokens it saw
+    layers: list[dict]  # each layer's report (convert/calibrated/walk.py LayerReport)
+    algorithm: str
+    settings: dict
+    computed_in: str
+
+
+def summary(manifest: Manifest, quantized, ckpt, plan, rec) -> CalibratedSummary:
     from quantkit.modeling import model_dtype
 
+    assert rec.calibrated is not None  # only a calibrated recipe has one
     int4_modules = [a.module for s in plan.shards for a in s.actions if a.kind == ActionKind.INT4]
     records = manifest.calibrated_modules
-    methods = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
+    methods: Counter[str] = Counter(records[m].method if m in records else "rtn" for m in int4_modules)
     experts = {m: records[m].tokens for m in int4_modules
                if m in records and ".experts." in m and m.endswith("down_proj")}
-    return {
-        "weights_by_method": dict(methods),
-        "rtn_outside_calibration": sorted(m for m in int4_modules if m not in records),  # MTP layers
-        "rtn_reasons": dict(Counter(r.reason for r in records.values() if r.method == "rtn")),
-        "expert_tokens": {m.removesuffix(".down_proj"): n for m, n in experts.items()},
-        "layers": [vars(r) for r in quantized.layers] if quantized else [],
-        "algorithm": rec.algorithm,
-        "settings": (rec.gptq or rec.signround).model_dump(),
-        "computed_in": manifest.computed_in or str(model_dtype(ckpt.config)).removeprefix("torch."),
-    }
+    return CalibratedSummary(
+        weights_by_method=dict(methods),
+        rtn_outside_calibration=sorted(m for m in int4_modules if m not in records),
+        rtn_reasons=dict(Counter(r.reason for r in records.values() if r.method == "rtn")),
+        expert_tokens={m.removesuffix(".down_proj"): n for m, n in experts.items()},
+        layers=[vars(r) for r in quantized.layers] if quantized else [],
+        algorithm=rec.algorithm,
+        settings=rec.calibrated.model_dump(),
+        computed_in=manifest.computed_in or str(model_dtype(ckpt.config)).removeprefix("torch."),
+    )

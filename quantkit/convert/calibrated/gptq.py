@@ -42,7 +42,7 @@ from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
-from quantkit.formats.recipe import Recipe
+from quantkit.formats.recipe import GPTQSettings, Recipe
 from quantkit.formats.weights import decode_weight
 
 
@@ -69,6 +69,15 @@ class GPTQ:
     and the next layer's inputs through the quantized layer."""
 
     method = "gptq"
+    # --dtype auto picks by a speed probe, which a resumed run could answer the other way: it keeps the started one
+    resumes_started_dtype = True
+
+    @staticmethod
+    def walk_dtype(recipe: Recipe, spec: str, device: str, stored: torch.dtype) -> torch.dtype | None:
+        from quantkit.compute_dtype import compute_dtype
+
+        chosen = compute_dtype(spec, device, stored)
+        return None if chosen == stored else chosen
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
                  dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None):
@@ -204,7 +213,8 @@ def _quantize_layer(walk, i, layer, state, targets, recipe, devices, phases, bud
     dense targets' Hessians and keeps the routed experts' inputs; the experts are then worked in groups that fit
     ``budget``, each group's Hessians summed from those inputs, quantized and freed before the next. Also returns
     the number of expert groups."""
-    cal = recipe.gptq.calibration
+    cal = recipe.calibration
+    assert cal is not None  # a GPTQ recipe calibrates
     hessians = _Hessians(walk.device)
     handles = []
     dense = [t for t in targets if not layer_expert(t.rel)]
@@ -329,7 +339,8 @@ def _quantize_jobs(jobs, hessians: _Hessians, state, recipe, devices, stored: to
     """GPTQ (or RTN, where a job has no Hessian) on the weights as decoded in the model's dtype ``stored``, whatever
     the walk computes in: the same scales and rounding as a walk in the model's dtype; the dequantized weights go
     back into ``state`` in its dtype."""
-    settings = recipe.gptq
+    settings = recipe.calibrated
+    assert isinstance(settings, GPTQSettings)
     out: dict[str, dict] = {}
     shared = {}  # a Hessian several weights use (gate and up of one expert, every expert under experts: all)
     users: dict = {}

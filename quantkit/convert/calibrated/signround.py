@@ -50,7 +50,7 @@ from quantkit.convert.llmcompressor_import import quiet_llmcompressor
 from quantkit.convert.tensor_plan import ConversionPlan
 from quantkit.errors import QuantkitError
 from quantkit.formats import int4
-from quantkit.formats.recipe import Recipe
+from quantkit.formats.recipe import Recipe, SignRoundSettings
 
 # what one tuned weight holds on the device per value while a group is tuned: auto-round's FP32 rounding offset,
 # its gradient and its best copy, and the autograd intermediates of the fake quantization (measured on an H100:
@@ -74,17 +74,28 @@ class SignRound:
     the next layer; its quantized outputs ride along as the next layer's tuning inputs."""
 
     method = "signround"
+    resumes_started_dtype = False  # always the model's dtype
+
+    @staticmethod
+    def walk_dtype(recipe: Recipe, spec: str, device: str, stored: torch.dtype) -> torch.dtype | None:
+        """The model's dtype, as llm-compressor's AutoRoundModifier tunes in."""
+        from quantkit.compute_dtype import DTYPES, dtype_name
+
+        if spec != "auto" and DTYPES[spec] != stored:
+            raise QuantkitError(f"recipe {recipe.name}: SignRound tunes in the model's dtype ({dtype_name(stored)}), "
+                                f"as llm-compressor does; --dtype {spec} is for GPTQ recipes")
+        return None
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
                  dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None):
         from quantkit.layerwise import LayerWalk
 
-        assert dtype is None  # SignRound tunes in the model's dtype (calibrated.walk_dtype)
+        assert dtype is None  # SignRound tunes in the model's dtype (walk_dtype)
         self.recipe, self.work, self.budget = recipe, work, budget
         # llm-compressor calibrates in eager attention
         self.walk = LayerWalk(ckpt, batches, devices[0], attention="eager", store=store)
-        assert recipe.signround is not None
-        self.tuning = Tuning.of(recipe.signround, devices[0], self.walk.stored)
+        assert isinstance(recipe.calibrated, SignRoundSettings)
+        self.tuning = Tuning.of(recipe.calibrated, devices[0], self.walk.stored)
         self.tokens = sum(int(b.numel()) for b in batches)
         self.q_input: QInputs | None = None
 
@@ -109,8 +120,8 @@ class SignRound:
             if run.inputs_on_device:  # the captured MoE inputs and residuals, the quantized inputs, the layer's own
                 need += tokens * hidden * (width + 4) + 2 * layer_inputs_bytes(config, run.sequences, seq, width)
             return need + TUNING_BYTES_PER_WEIGHT * per_expert
-        assert recipe.signround is not None
-        need += 3 * forward_bytes(config, seq, width) * recipe.signround.batch_size + 3 * tokens * hidden * width
+        assert isinstance(recipe.calibrated, SignRoundSettings)
+        need += 3 * forward_bytes(config, seq, width) * recipe.calibrated.batch_size + 3 * tokens * hidden * width
         return need + TUNING_BYTES_PER_WEIGHT * sum(_numel(ckpt, t.module) for t in targets)
 
     @contextmanager

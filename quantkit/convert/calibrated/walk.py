@@ -86,6 +86,11 @@ class LayerQuantizer(Protocol):
     method: str
     walk: LayerWalk
     budget: Budget | None  # the device memory one layer may take (convert/calibrated/memory.py); None: not planned
+    resumes_started_dtype: bool  # --resume with --dtype auto computes in what the run started in
+
+    @staticmethod
+    def walk_dtype(recipe: Recipe, spec: str, device: str, stored: torch.dtype) -> torch.dtype | None:
+        """What the walk computes in where not the model's dtype ``stored`` (``spec``: --dtype), or a refusal."""
 
     def __init__(self, ckpt: Checkpoint, recipe: Recipe, batches: list[torch.Tensor], devices: list[str], work: Path,
                  dtype: torch.dtype | None = None, budget: Budget | None = None, store: str | None = None) -> None:
@@ -156,7 +161,7 @@ def calibration_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) 
 
 def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
     """Identifies the calibration: the token ids and the algorithm's settings (a resumed run must use the same)."""
-    settings = recipe.gptq or recipe.signround
+    settings = recipe.calibrated
     assert settings is not None  # only a calibrated recipe has calibration batches
     h = hashlib.sha256(settings.model_dump_json().encode())
     for b in batches:
