@@ -31,7 +31,7 @@ from quantkit.convert.calibrated import calibration_batches_of as calibration_ba
 from quantkit.convert.calibrated.memory import Budget
 from quantkit.convert.dst import DifferentRun, output_quantization_config
 from quantkit.convert.pipeline import Job, Progress, ShardWork, Stats, run_all
-from quantkit.convert.processes import run_in_processes, uses_processes
+from quantkit.convert.processes import run_in_processes, start_server, uses_processes
 from quantkit.convert.tensor_plan import ConversionPlan, plan_conversion
 from quantkit.devices import resolve_devices
 from quantkit.errors import QuantkitError
@@ -107,6 +107,8 @@ def convert(
     started = time.perf_counter()
     job = _setup(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume, force,
                  calibration_data, dtype, gpu_memory)
+    if uses_processes(job.devices, job.workers, job.ckpt.total_bytes):
+        start_server()
     manifest = _manifest(job)
     dst_folder.make_folder(job.dst)
     dst_folder.refuse_foreign(job.dst)  # before the lock file is created in someone else's folder; again under the lock

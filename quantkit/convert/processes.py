@@ -20,6 +20,7 @@ import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 from quantkit.convert.pipeline import Job, Progress, ShardWork, Slot, Stats, convert_shard
 from quantkit.convert.tensor_plan import OutputShard
@@ -35,6 +36,12 @@ def uses_processes(devices: list[str], workers: int, todo_bytes: int) -> bool:
     """Processes for a large job on GPUs; threads on a CPU, where each tensor's torch work is long and releases the
     GIL and a laptop would pay a torch import per worker process."""
     return devices[0].startswith("cuda") and workers > 1 and todo_bytes >= PROCESSES_FROM_BYTES
+
+
+def start_server() -> None:
+    """Start the forkserver now: its torch import then overlaps whatever the conversion does before its shards."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 @dataclass
@@ -72,8 +79,8 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     the manifest at once. The first failure cancels the shards not started and is raised here as the worker raised
     it."""
     workers = min(workers, len(todo))  # every worker starts at once, with a CUDA context of its own
+    start_server()
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
     slots, progress = context.Queue(), context.SimpleQueue()
     for i in range(workers):
         slots.put(devices[i % len(devices)])
