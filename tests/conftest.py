@@ -40,6 +40,16 @@ def glm_copy(synthetic, tmp_path) -> Path:
     return dst
 
 
+@pytest.fixture
+def llama_int4(synthetic, tmp_path) -> Path:
+    """The synthetic Llama converted to INT4 (dense-w4a16-g128), free to damage."""
+    from quantkit.convert import convert
+
+    dst = tmp_path / "int4"
+    convert(synthetic["llama"], dst, "dense-w4a16-g128", device="cpu")
+    return dst
+
+
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -14,6 +14,9 @@ from helpers import one_line_error, quantkit
 
 from quantkit.checkpoint.reader import read_shard_header
 from quantkit.checkpoint.writer import write_safetensors
+import os
+import sys
+from safetensors.torch import load_file
 
 def rewrite(src, tensor, fn):
     """Rewrite the shard holding ``tensor`` with fn applied to its tensor dict."""
@@ -433,3 +436,51 @@ def test_calibration_rows_json_cannot_read_are_one_line_naming_the_file(syntheti
                       "--seq-len", 64)
     line = one_line_error(result, says, code=None)
     assert "rows.jsonl" in line and "internal error" not in result.output
+
+
+def test_a_side_file_linking_out_of_src_is_refused(synthetic, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    (src / "tokenizer.json").symlink_to(secret)
+    r = quantkit("convert", src, tmp_path / "dst", "-r", "dense-w4a16-g128", "--device", "cpu")
+    one_line_error(r, "tokenizer.json", "outside the model's folder")
+    assert not (tmp_path / "dst" / "tokenizer.json").exists()
+
+
+def test_a_shard_linking_out_of_src_is_refused_without_an_index(synthetic, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    (src / "model.safetensors.index.json").unlink()
+    moved = tmp_path / shard.name
+    shard.rename(moved)
+    shard.symlink_to(moved)
+    r = quantkit("inspect", src)
+    one_line_error(r, shard.name, "outside the model's folder")
+
+
+def test_a_fifo_in_place_of_a_shard_ends_at_once(synthetic, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    done = subprocess.run([sys.executable, "-m", "quantkit", "inspect", str(src)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and shard.name in done.stderr and "not a regular file" in done.stderr
+
+
+def test_an_e5m2_source_is_refused(glm_copy, tmp_path):
+    name = EXPERT + ".weight"
+    path = shard_of(glm_copy, name)
+    tensors = load_file(path)
+    tensors[name] = tensors[name].to(torch.float32).to(torch.float8_e5m2)
+    write_safetensors(path, tensors)
+    r = quantkit("convert", glm_copy, tmp_path / "dst", "-r", "glm5-int4-experts-g32", "--device", "cpu")
+    one_line_error(r, path.name, name, "e5m2")
+    config = json.loads((glm_copy / "config.json").read_text())
+    config["quantization_config"]["fmt"] = "e5m2"
+    (glm_copy / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("inspect", glm_copy), "config.json", "fmt")

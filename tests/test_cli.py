@@ -11,6 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from quantkit.cli import app
+from helpers import one_line_error, quantkit
 
 runner = CliRunner()
 
@@ -128,3 +129,26 @@ def test_converts_help_names_every_calibrated_algorithm_the_registry_holds():
     shown = runner.invoke(app, ["convert", "--help"], terminal_width=200).output
     for name in ALGORITHM_NAMES.values():
         assert name in shown, name
+
+
+def test_an_unexpected_failure_is_one_line_asking_for_a_report(synthetic, monkeypatch):
+    from quantkit.checkpoint import inspection
+
+    def broken(path):
+        raise RuntimeError("something quantkit did not foresee")
+
+    monkeypatch.setattr(inspection, "inspect_checkpoint", broken)
+    r = quantkit("inspect", synthetic["llama"])
+    one_line_error(r, "internal error", "RuntimeError: something quantkit did not foresee", "please report", "--debug")
+    r = quantkit("--debug", "inspect", synthetic["llama"])
+    assert r.exit_code == 1 and "Traceback" in r.output
+
+
+def test_file_system_and_network_errors_name_what_failed():
+    from quantkit.cli import _one_line
+
+    kind, message, code = _one_line(PermissionError(13, "Permission denied", "/models/x/config.json"))
+    assert (kind, code) == ("error", 1) and message == "/models/x/config.json: permission denied"
+    network = type("ConnectError", (Exception,), {"__module__": "httpx"})("[Errno -3] name resolution failed")
+    kind, message, code = _one_line(network)
+    assert code == 1 and message.startswith("network or hub failure (ConnectError)")

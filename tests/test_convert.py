@@ -16,6 +16,9 @@ from quantkit.errors import QuantkitError
 from quantkit.checkpoint.describe import config_mismatches
 from quantkit.formats.int4 import fake_quantize_int4
 from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, model_config
+import os
+import shutil
+from helpers import quantkit
 
 EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
@@ -308,3 +311,33 @@ def test_transformers_loads_an_output_without_a_word_about_targets(synthetic, tm
     with caplog.at_level(logging.WARNING):
         AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert [r.getMessage() for r in caplog.records if "Could not match" in r.getMessage()] == []
+
+
+def test_a_hub_cache_snapshot_is_read(synthetic, tmp_path):
+    """models--org--name/snapshots/REV/* are links into ../../blobs: the usual way a download is held."""
+    repo = tmp_path / "hub" / "models--org--llama"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in sorted(synthetic["llama"].iterdir()):
+        blob = blobs / f"blob-{f.name}"
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    result = convert(snapshot, tmp_path / "dst", "dense-w4a16-g128", device="cpu")
+    assert result.shards_written >= 1 and not any(p.is_symlink() for p in (tmp_path / "dst").iterdir())
+    from quantkit.evaluation import model_checksums  # what eval records of a baseline held this way
+
+    assert set(model_checksums(snapshot)) == {p.name for p in synthetic["llama"].iterdir()}
+
+
+def test_each_group_reports_what_it_took(synthetic, tmp_path):
+    r = quantkit("convert", synthetic["deepseek_v3"], tmp_path / "dst", "-r", "deepseek-v3-int4-experts-g32", "--json")
+    result = json.loads(r.stdout)
+    assert list(result["tensors_by_group"].values()) == [result["tensors_by_kind"]["int4"]] == [3 * 8 * 3]
+
+
+def test_an_unindexed_weight_file_is_not_copied(glm_copy, tmp_path):
+    shutil.copyfile(sorted(glm_copy.glob("model-*.safetensors"))[0], glm_copy / "consolidated.safetensors")
+    r = quantkit("convert", glm_copy, tmp_path / "dst", "-r", "glm5-int4-experts-g32", "--device", "cpu")
+    assert r.exit_code == 0 and "not copied" in r.output and "consolidated.safetensors" in r.output
+    assert not (tmp_path / "dst" / "consolidated.safetensors").exists()

@@ -5,6 +5,10 @@ import torch
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
 from quantkit.formats import fp8_block, shapes
+from conftest import shard_of
+from helpers import quantkit
+from safetensors.torch import load_file
+from quantkit.checkpoint.writer import write_safetensors
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (160, 256), (300, 200)])  # full and partial edge blocks
@@ -28,3 +32,16 @@ def test_encode_decode_error_is_small():
     q, s = fp8_block.quantize_fp8_block(w)
     back = fp8_block.dequantize_fp8_block(q, s, dtype=torch.float32)
     assert ((back - w).norm() / w.norm()) < 0.05
+
+
+EXPERT = "model.layers.2.mlp.experts.3.up_proj"
+
+
+def test_an_all_zero_scale_block_is_warned_about(glm_copy, tmp_path):
+    name = EXPERT + ".weight_scale_inv"
+    path = shard_of(glm_copy, name)
+    tensors = load_file(path)
+    tensors[name] = torch.zeros_like(tensors[name])
+    write_safetensors(path, tensors)
+    r = quantkit("convert", glm_copy, tmp_path / "dst", "-r", "glm5-int4-experts-g32", "--device", "cpu")
+    assert r.exit_code == 0 and "warning" in r.output and name in r.output and "decode to 0" in r.output

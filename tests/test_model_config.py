@@ -7,6 +7,7 @@ import pytest
 from quantkit.checkpoint.config import ModelConfig
 from quantkit.checkpoint.reader import read_config
 from quantkit.errors import QuantkitError
+from helpers import one_line_error, quantkit
 
 
 def test_what_is_written_back_is_the_file_with_only_the_quantization_config_changed(synthetic, tmp_path):
@@ -44,3 +45,32 @@ def test_the_context_bound_refuses_longer_sequences(tmp_path):
     config.check_context(256, "--seq-len")
     with pytest.raises(QuantkitError, match=r"--seq-len 257 exceeds the model's context \(256\)"):
         config.check_context(257, "--seq-len")
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 10**9), ("n_routed_experts", 10**7),
+                                          ("num_hidden_layers", "3"), ("num_hidden_layers", -1),
+                                          ("kv_lora_rank", "abc"), ("index_head_dim", 2.5), ("q_lora_rank", [1])])
+def test_absurd_config_values_are_refused_at_once(tmp_path, field, value):
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+              "num_hidden_layers": 2, "n_routed_experts": 4}
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("plan", folder), "config.json", field)
+    r = quantkit("verify", folder, "--no-smoke")  # verify reports it as a finding of its structure check
+    assert r.exit_code == 1 and f"config.json: readable checkpoint: {field} = " in r.output
+
+
+@pytest.mark.parametrize("field, value, says", [("indexer_types", ["full"] * 3, "has 3 entries for num_hidden_layers = 4"),
+                                                ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"], "expected a list"),
+                                                ("indexer_types", "full", "expected a list")])
+def test_per_layer_lists_of_the_wrong_length_or_kind_are_refused(synthetic, tmp_path, field, value, says):
+    """A per-layer list shorter than the layers was an IndexError deep in plan's layout (GLM-5 configs carry two)."""
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    config = json.loads((synthetic["glm_moe_dsa"] / "config.json").read_text())
+    config.update({"num_hidden_layers": 4, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+                   "indexer_types": ["full"] * 4, field: value})
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("plan", folder, "-r", "glm5-int4-experts-g32"), "config.json", field, says)

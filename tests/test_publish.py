@@ -14,6 +14,9 @@ from quantkit.cli import app
 from quantkit.convert import convert
 from quantkit.release.gate import gate
 from quantkit.release.publish import PublishRefused, publish
+from pathlib import Path
+from conftest import tree_bytes
+from helpers import one_line_error, quantkit
 
 SECRET = "hf_quantkitTESTtoken0123456789abcdef"
 
@@ -236,3 +239,77 @@ def test_a_candidate_run_with_the_baselines_answers_to_the_last_digit_is_refused
     evaluated = _logprob_runs(tmp_path / "evaluated", dst, lambda lp: [[a * 1.0001, b] for a, b in lp])
     publish(dst, "file://" + str(tmp_path / "out-evaluated"), gate=evaluated)
     assert (tmp_path / "out-evaluated" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["source", "dst", "inside-dst", "around-dst", "empty", "non-empty"])
+def test_publish_never_writes_into_the_source_dst_or_someone_elses_folder(synthetic, llama_int4, tmp_path, where):
+    src = synthetic["llama"]
+    before_src, before_dst = tree_bytes(src), tree_bytes(llama_int4)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    target = {"source": f"file://{src}", "dst": f"file://{llama_int4}", "inside-dst": f"file://{llama_int4 / 'sub'}",
+              "around-dst": f"file://{tmp_path}", "empty": "file://", "non-empty": f"file://{other}"}[where]
+    r = quantkit("publish", llama_int4, "--repo", target, "--force-ungated")
+    one_line_error(r, "error:")
+    assert tree_bytes(src) == before_src and tree_bytes(llama_int4) == before_dst
+    assert (other / "notes.txt").read_text() == "mine" and len(list(other.iterdir())) == 1
+
+
+@pytest.fixture
+def gated_llama(llama_int4, tmp_path):
+    """DST with a passing verdict whose checksums are DST's files now."""
+
+    return llama_int4, passing_verdict(llama_int4, tmp_path)
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("llama", "llama ")), "config.json"),
+    (lambda d: (d / "modeling_evil.py").write_text("import os\n"), "modeling_evil.py"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{}"), "tokenizer_config.json"),
+])
+def test_publish_ships_only_files_the_gate_saw(gated_llama, tmp_path, change, name):
+    dst, verdict = gated_llama
+    change(dst)
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, name)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_forged_verdict_is_refused(gated_llama, tmp_path):
+    dst, verdict = gated_llama
+    forged = json.loads(verdict.read_text())
+    del forged["tasks"][0]["margin"]
+    verdict.write_text(json.dumps(forged))
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, "not a gate verdict (tasks.0.margin: Field required)")
+    r = quantkit("publish", dst, "--repo", "not a repo id", "--force-ungated")
+    one_line_error(r, "invalid repo id")
+
+
+def test_publish_gates_again_instead_of_trusting_the_verdicts_flag(gated_llama, tmp_path):
+    """A failing verdict edited to say pass, or a candidate run changed after the gate, gives another verdict when
+    publish gates the runs the verdict names again: refused, nothing shipped."""
+    dst, verdict = gated_llama
+    text = verdict.read_text()
+    failing = json.loads(text)
+    failing["tasks"][0].update(margin=0.5)  # the same runs fail a 0.5-point margin: the file claims they pass it
+    verdict.write_text(json.dumps(failing))
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, "differs from the verdict its runs give when gated again")
+    verdict.write_text(text)
+    samples = Path(json.loads(text)["candidate"]) / "samples" / "arc_easy.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    rows[0]["correct"] = 1 - rows[0]["correct"]
+    samples.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = quantkit("publish", dst, "--repo", f"file://{tmp_path / 'out'}", "--gate", verdict)
+    one_line_error(r, "differs from the verdict its runs give when gated again")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_link_inside_dst_is_not_published(llama_int4, tmp_path):
+    outside = tmp_path / "private.key"
+    outside.write_text("secret")
+    (llama_int4 / "extra.txt").symlink_to(outside)
+    r = quantkit("publish", llama_int4, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated", "--dry-run")
+    one_line_error(r, "extra.txt", "outside the model's folder")

@@ -7,6 +7,10 @@ from quantkit.convert import convert
 from quantkit.errors import QuantkitError
 from quantkit.formats.recipe import load_recipe
 from quantkit.packaged import recipes_dir
+import json
+from helpers import BILLION_LAUGHS
+from safetensors.torch import load_file
+from quantkit.verify import verify
 
 BUILT_IN = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
@@ -126,3 +130,71 @@ def test_a_recipe_whose_aliases_expand_without_bound_is_refused_at_once(syntheti
     result = quantkit("convert", synthetic["llama"], tmp_path / "out", "--recipe", tmp_path / "bomb.yaml")
     one_line_error(result, "nodes with its aliases expanded", code=None)
     assert time.perf_counter() - started < 10 and not (tmp_path / "out").exists()
+
+
+def test_a_recipe_alias_bomb_is_refused(synthetic, tmp_path):
+
+    recipe = tmp_path / "bomb.yaml"
+    recipe.write_text(BILLION_LAUGHS)
+    r = quantkit("convert", synthetic["llama"], tmp_path / "dst", "-r", recipe)
+    one_line_error(r, "bomb.yaml", "alias")
+
+
+RECIPE = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: {ignore}
+      config_groups:
+        group_0:
+          targets: {targets}
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}
+{more}"""
+
+
+@pytest.mark.parametrize("targets, ignore, more, message", [
+    (["Linaer"], ["lm_head"], "", "group group_0 (targets ['Linaer']) matches no weight"),
+    (["Linear"], ["re:.*"], "", "group group_0 (targets ['Linear']) matches no weight"),
+    (["re:.*_proj$"], ["lm_head"], "        group_1:\n          targets: ['re:.*mlp.*']\n"
+     "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}\n",
+     "recipe groups group_0 and group_1 both target this module"),
+    (["re:(unclosed"], [], "", "bad regex"),
+    (["Linear"], [], "        group_1:\n          targets: [Linear]\n          weights: {num_bits: four}\n",
+     "config_groups.group_1.weights.num_bits"),
+])
+def test_recipes_that_would_convert_silently_wrong_are_refused(synthetic, tmp_path, targets, ignore, more, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(targets=json.dumps(targets), ignore=json.dumps(ignore), more=more))
+    r = quantkit("convert", synthetic["deepseek_v3"], tmp_path / "dst", "-r", recipe, "--device", "cpu")
+    one_line_error(r, message)
+    assert not (tmp_path / "dst" / "config.json").exists()
+
+
+def test_overlapping_groups_are_refused_for_an_int4_source_too(synthetic, tmp_path):
+    """The one-group rule lives where every weight's group is looked up, INT4 sources included."""
+    int4 = tmp_path / "int4"
+    convert(synthetic["llama"], int4, "dense-w4a16-g128", device="cpu")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(targets=json.dumps(["re:.*_proj$"]), ignore=json.dumps(["lm_head"]),
+                                    more="        group_1:\n          targets: ['re:.*mlp.*']\n"
+                                         "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
+                                         "group_size: 32}\n"))
+    r = quantkit("convert", int4, tmp_path / "dst", "-r", recipe, "--device", "cpu")
+    one_line_error(r, "recipe groups group_0 and group_1 both target this module", "weight_packed")
+
+
+def test_a_name_or_regex_group_wins_over_a_linear_group_as_in_every_engine(synthetic, tmp_path):
+    """compressed-tensors (match_targets), SGLang and vLLM (find_matched_target) all give a module the group naming
+    it before the group targeting its class: no ambiguity, so no refusal, and the engines read what was written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(targets=json.dumps(["Linear"]), ignore=json.dumps(["lm_head"]),
+                                    more="        group_1:\n          targets: ['re:.*mlp.*']\n"
+                                         "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
+                                         "group_size: 128}\n").replace("group_size: 32", "group_size: 64"))
+    convert(synthetic["llama"], tmp_path / "dst", recipe, device="cpu")
+    shapes = {n: t.shape for f in sorted((tmp_path / "dst").glob("*.safetensors")) for n, t in load_file(f).items()
+              if n.endswith("weight_scale")}
+    hidden = shapes["model.layers.0.self_attn.q_proj.weight_scale"][1] * 64
+    assert shapes["model.layers.0.mlp.gate_proj.weight_scale"][1] == hidden // 128  # group_1, by its regex
+    assert shapes["model.layers.0.self_attn.o_proj.weight_scale"][1] == hidden // 64  # group_0, by its class
+    for engine in ("sglang", "vllm"):
+        assert verify(tmp_path / "dst", engine=engine, smoke=False).passed, engine

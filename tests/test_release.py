@@ -13,6 +13,9 @@ from quantkit.checkpoint.manifest import load_manifest
 from quantkit.errors import QuantkitError
 from quantkit.examples.smollm2 import block_fp8_release
 from quantkit.release import STAGES, ReleaseStopped, release
+from conftest import tree_bytes
+from helpers import one_line_error, quantkit
+from safetensors.torch import load_file
 
 DATA = evaldata("arc_easy")
 
@@ -182,3 +185,32 @@ def test_release_resume_after_the_source_was_replaced_runs_every_stage_again(syn
     assert [(r.stage, r.status) for r in seen] == [("plan", "ran"), ("convert", "ran"), ("calibrate-kv", "skipped"),
                                                    ("verify", "ran")]
     assert open_checkpoint(tmp_path / "release-work" / "model").config.num_hidden_layers == 3
+
+
+def test_release_never_deletes_a_checkpoint_it_did_not_write(synthetic, tmp_path):
+    config = release_config(tmp_path, synthetic["llama"])
+    mine = tmp_path / "release-work" / "model"
+    shutil.copytree(synthetic["llama"], mine)
+    before = tree_bytes(mine)
+    r = quantkit("release", config, "--json")
+    one_line_error(r, "release stopped at stage convert", "holds files this release did not write")
+    assert tree_bytes(mine) == before
+
+
+def test_release_resume_reruns_what_an_edited_recipe_or_suite_changes(synthetic, tmp_path):
+    from quantkit.release import ReleaseStopped, release
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((Path(__file__).resolve().parents[1] / "recipes" / "dense-w4a16-g128.yaml").read_text())
+    config = release_config(tmp_path, synthetic["llama"], recipe=str(recipe))
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):  # no data: the chain stops after verify
+        release(config)
+    recipe.write_text(recipe.read_text().replace("group_size: 128", "group_size: 64"))
+    seen = []
+    with pytest.raises(ReleaseStopped, match="stage eval-baseline"):
+        release(config, resume=True, on_stage=seen.append)
+    assert [(r.stage, r.status) for r in seen] == [("plan", "ran"), ("convert", "ran"), ("calibrate-kv", "skipped"),
+                                                   ("verify", "ran")]
+    weights = load_file(next((tmp_path / "release-work" / "model").glob("model-*.safetensors")))
+    scales = [t for n, t in weights.items() if n.endswith("q_proj.weight_scale")][0]
+    assert scales.shape[1] == 256 // 64  # the edited recipe's group size, not the old output "done earlier"

@@ -153,3 +153,44 @@ def test_a_source_merely_touched_or_copied_still_resumes(big_source, tmp_path):
     assert result.shards_reused == 4
     manifest = {"quantkit-manifest.json": b""}  # it names the source's path, which is another here
     assert tree_bytes(dst) | manifest == tree_bytes(big_source[1]) | manifest
+
+
+def test_resume_over_a_finished_output_keeps_its_kv_scales(smollm2_bf16, tmp_path):
+    from quantkit.kv.calibrate import calibrate_kv
+
+    dst = tmp_path / "int4"
+    convert(smollm2_bf16, dst, "dense-mlp-w4a16-g32", device="cpu")
+    calibrate_kv(dst, in_place=True, samples=2, seq_len=32, device="cpu")
+    before = tree_bytes(dst)
+    result = convert(smollm2_bf16, dst, "dense-mlp-w4a16-g32", device="cpu", resume=True)
+    assert result.shards_written == 0
+    assert tree_bytes(dst) == before
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] is not None
+
+
+def test_a_tampered_finished_shard_is_not_reused(synthetic, tmp_path):
+    clean, dst = tmp_path / "clean", tmp_path / "dst"
+    convert(synthetic["glm_moe_dsa"], clean, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB")
+    shutil.copytree(clean, dst)
+    manifest = json.loads((dst / "quantkit-manifest.json").read_text())
+    manifest["status"] = "running"  # as a kill after the last shard leaves it
+    (dst / "quantkit-manifest.json").write_text(json.dumps(manifest))
+    shard = sorted(dst.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    result = convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu", max_shard_size="1MB",
+                     resume=True)
+    assert result.shards_written == 1
+    assert tree_bytes(dst) == tree_bytes(clean)
+
+
+def test_force_never_clears_a_folder_of_other_files(synthetic, tmp_path):
+    dst = tmp_path / "photos"
+    dst.mkdir()
+    (dst / "holiday.safetensors").write_bytes(b"not a model")
+    (dst / "config.json").write_text("{}")
+    before = tree_bytes(dst)
+    r = quantkit("convert", synthetic["llama"], dst, "-r", "dense-w4a16-g128", "--device", "cpu", "--force")
+    one_line_error(r, str(dst), "holds other files and no quantkit-manifest.json")
+    assert tree_bytes(dst) == before

@@ -16,6 +16,7 @@ from quantkit.convert import convert
 from quantkit.engines.kernels import EngineRules
 from quantkit.packaged import recipe_path
 from quantkit.verify import verify
+from helpers import one_line_error, quantkit
 
 EXPERT = "model.layers.2.mlp.experts.3.down_proj"
 runner = CliRunner()
@@ -291,3 +292,24 @@ def test_verify_refuses_a_config_naming_another_format_than_the_tensors_have(syn
     assert not report.passed
     assert any("names format 'nvfp4-pack-quantized'; the tensor is stored pack-quantized" in f.message
                for f in report.findings)
+
+
+def test_an_unreadable_quantization_config_is_one_line_naming_config_json(llama_int4, tmp_path):
+    dst = tmp_path / "bad"
+    shutil.copytree(llama_int4, dst)
+    config = json.loads((dst / "config.json").read_text())
+    next(iter(config["quantization_config"]["config_groups"].values()))["weights"]["num_bits"] = "four"
+    (dst / "config.json").write_text(json.dumps(config))
+    one_line_error(quantkit("verify", dst, "--no-smoke"), "config.json", "invalid quantization_config")
+
+
+def test_a_log_gets_whole_file_names(synthetic, tmp_path):
+    """verify's findings once sat in an 80-column table that cut the failing shard's name."""
+    dst = tmp_path / ("a-very-long-folder-name-" * 4) / "out"
+    convert(synthetic["llama"], dst, "dense-w4a16-g128", device="cpu")
+    shard = sorted(dst.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    r = quantkit("verify", dst, "--no-smoke")
+    assert r.exit_code == 1 and str(shard) in r.output

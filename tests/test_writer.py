@@ -13,6 +13,8 @@ import torch
 from quantkit.checkpoint import writer as writer_module
 from quantkit.checkpoint.writer import BackgroundSha256, ShardWriter, sha256_file
 from quantkit.errors import QuantkitError
+from helpers import one_line_error, quantkit
+from quantkit.checkpoint.writer import folder_lock
 
 TENSORS = {f"t{i}": torch.full((1000 + 37 * i, 64), i, dtype=torch.bfloat16) for i in range(12)}
 ENTRIES = [(name, "BF16", tuple(t.shape)) for name, t in TENSORS.items()]
@@ -109,3 +111,36 @@ def test_a_writer_that_fails_or_finishes_leaves_no_hash_thread_behind(tmp_path):
     write(tmp_path / "good.safetensors", chunk=256 << 10)
     assert hash_threads() == before
     assert [p.name for p in tmp_path.iterdir()] == ["good.safetensors"]
+
+
+def test_a_link_planted_at_a_temporary_name_is_never_followed(llama_int4, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    for name in (".README.md.partial", ".config.json.partial", ".quantkit-manifest.json.partial"):
+        (llama_int4 / name).symlink_to(outside)
+    r = quantkit("publish", llama_int4, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated")
+    assert r.exit_code == 0, r.output
+    assert outside.read_text() == "precious"
+    assert not (tmp_path / "out" / ".README.md.partial").exists()
+
+
+def test_a_second_writer_gets_in_use(synthetic, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    with folder_lock(dst):
+        r = quantkit("convert", synthetic["llama"], dst, "-r", "dense-w4a16-g128", "--device", "cpu")
+    one_line_error(r, str(dst), "in use by another quantkit process")
+    assert not list(dst.glob("*.safetensors"))
+
+
+def test_concurrent_writers_never_share_a_temporary_file(tmp_path):
+    from quantkit.checkpoint.writer import write_bytes_atomic
+
+    target = tmp_path / "config.json"
+    payloads = [(str(i) * 100_000).encode() for i in range(8)]
+    threads = [threading.Thread(target=write_bytes_atomic, args=(target, p)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert target.read_bytes() in payloads and not list(tmp_path.glob(".*partial"))
