@@ -50,6 +50,23 @@ def llama_int4(synthetic, tmp_path) -> Path:
     return dst
 
 
+@pytest.fixture(scope="session")
+def llama_pair(synthetic, tmp_path_factory) -> tuple[Path, Path]:
+    """A synthetic Llama with a real (word-level) tokenizer, and its INT4 conversion: a baseline and a candidate
+    (shared: copy before damaging either)."""
+    from helpers import add_word_tokenizer
+
+    from quantkit.convert import convert
+
+    root = tmp_path_factory.mktemp("llama-pair")
+    base = root / "base"
+    shutil.copytree(synthetic["llama"], base)
+    add_word_tokenizer(base)
+    cand = root / "int4"
+    convert(base, cand, "dense-w4a16-g128", device="cpu")
+    return base, cand
+
+
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -17,6 +17,7 @@ from quantkit.checkpoint.writer import write_safetensors
 import os
 import sys
 from safetensors.torch import load_file
+from safetensors.torch import save_file
 
 def rewrite(src, tensor, fn):
     """Rewrite the shard holding ``tensor`` with fn applied to its tensor dict."""
@@ -484,3 +485,21 @@ def test_an_e5m2_source_is_refused(glm_copy, tmp_path):
     config["quantization_config"]["fmt"] = "e5m2"
     (glm_copy / "config.json").write_text(json.dumps(config))
     one_line_error(quantkit("inspect", glm_copy), "config.json", "fmt")
+
+
+def test_a_tensor_name_with_thousands_of_digits_is_one_line(synthetic, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(synthetic["llama"], src)
+    name = "model.layers.0.mlp.down_proj.weight"
+    shard = shard_of(src, name)
+    tensors = load_file(shard)
+    long_name = "model.layers." + "9" * 5000 + ".mlp.down_proj.weight"
+    tensors[long_name] = tensors.pop(name)
+    save_file(tensors, shard, {"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][long_name] = index["weight_map"].pop(name)
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    for command in (["inspect", src], ["convert", src, tmp_path / "o", "-r", "dense-w4a16-g128", "--device", "cpu"]):
+        one_line_error(quantkit(*command), "more than 9 digits")
+    one_line_error(quantkit("convert", synthetic["llama"], tmp_path / "p", "-r", "dense-w4a16-g128",
+                            "--max-shard-size", "9" * 5000 + "GB"), "cannot read size")

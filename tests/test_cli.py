@@ -12,6 +12,9 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 from helpers import one_line_error, quantkit
+import shutil
+from helpers import add_word_tokenizer, gptq_recipe
+from quantkit.examples.demo import DATA
 
 runner = CliRunner()
 
@@ -152,3 +155,29 @@ def test_file_system_and_network_errors_name_what_failed():
     network = type("ConnectError", (Exception,), {"__module__": "httpx"})("[Errno -3] name resolution failed")
     kind, message, code = _one_line(network)
     assert code == 1 and message.startswith("network or hub failure (ConnectError)")
+
+
+def test_markup_and_control_characters_in_user_text_are_shown_not_obeyed(tmp_path):
+    for name in ("x[/x]", "y[bold red]z", "esc\x1b[2Jname"):
+        r = quantkit("inspect", tmp_path / name)
+        line = one_line_error(r, "not a checkpoint folder")
+        assert name.replace("\x1b", "\\x1b") in line and "\x1b" not in r.output and "MarkupError" not in r.output
+
+
+def test_eval_and_gptq_print_nothing_from_libraries(synthetic, tmp_path):
+    base = tmp_path / "bpe"  # a BPE tokenizer that asks for clean-up: transformers warned on every decode
+    shutil.copytree(synthetic["llama"], base)
+    add_word_tokenizer(base, bpe=True)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    env = dict(os.environ)
+    eval_run = subprocess.run([sys.executable, "-m", "quantkit", "eval", str(base), "--tasks", "arc_easy,gsm8k",
+                               "--limit", "2", "--data-dir", str(DATA), "--device", "cpu", "--out", str(tmp_path / "r")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert eval_run.returncode == 0, eval_run.stderr
+    assert eval_run.stderr == "", eval_run.stderr  # no git "fatal", no tokenizer or lm-eval warnings
+    convert_run = subprocess.run([sys.executable, "-m", "quantkit", "convert", str(synthetic["glm_moe_dsa"]),
+                                  str(tmp_path / "g"), "-r", str(gptq_recipe(tmp_path)), "--device", "cpu"],
+                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert convert_run.returncode == 0, convert_run.stderr
+    assert all(line.startswith("GPTQ layer") for line in convert_run.stderr.splitlines()), convert_run.stderr

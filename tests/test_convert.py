@@ -19,6 +19,7 @@ from quantkit.modeling import dequantized_state_dict, fuse_experts, load_model, 
 import os
 import shutil
 from helpers import quantkit
+from quantkit.checkpoint.manifest import Manifest, ShardRecord
 
 EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
@@ -341,3 +342,18 @@ def test_an_unindexed_weight_file_is_not_copied(glm_copy, tmp_path):
     r = quantkit("convert", glm_copy, tmp_path / "dst", "-r", "glm5-int4-experts-g32", "--device", "cpu")
     assert r.exit_code == 0 and "not copied" in r.output and "consolidated.safetensors" in r.output
     assert not (tmp_path / "dst" / "consolidated.safetensors").exists()
+
+
+def test_the_manifest_is_written_in_one_order(synthetic, tmp_path):
+    manifest = Manifest(quantkit_version="0", source_path="s", source_fingerprint="f", recipe_name="r",
+                        recipe_sha256="x", plan_sha256="p", max_shard_size=1)
+    for name in ("model-00003.safetensors", "model-00001.safetensors", "model-00002.safetensors"):
+        manifest.shards[name] = ShardRecord(sha256="0" * 64, size=1)
+    manifest.save(tmp_path)
+    assert list(json.loads((tmp_path / "quantkit-manifest.json").read_text())["shards"]) == sorted(manifest.shards)
+    for i in range(2):
+        convert(synthetic["glm_moe_dsa"], tmp_path / f"run{i}", "glm5-int4-experts-g32", device="cpu", workers=4,
+                max_shard_size="200KB")
+    a, b = (tmp_path / f"run{i}" / "quantkit-manifest.json" for i in range(2))
+    assert json.loads(a.read_text())["source_path"] == json.loads(b.read_text())["source_path"]
+    assert a.read_bytes() == b.read_bytes()

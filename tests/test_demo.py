@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 from quantkit.errors import QuantkitError
+from helpers import quantkit
 
 
 def test_the_margin_follows_the_suites_own_rule_for_the_items_asked_for(tmp_path):
@@ -126,3 +127,16 @@ def test_a_block_fp8_source_is_written_again_for_another_model(smollm2_bf16, tmp
     with pytest.raises(QuantkitError, match="holds files this demo did not write"):
         block_fp8_release(smollm2_bf16, foreign)
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_version_and_the_demos_help_say_what_is_true():
+    from quantkit import __version__
+
+    r = quantkit("--version")
+    assert r.exit_code == 0 and r.output.strip() == f"quantkit {__version__}"
+    from quantkit.examples.demo import CANDIDATES
+
+    r = quantkit("demo", "--help")
+    said = " ".join(r.output.split())
+    assert "two pools" in said and len(CANDIDATES) == 2
+    assert all(f"{c.pool} (" in said for c in CANDIDATES.values()), said

@@ -11,6 +11,10 @@ from quantkit.errors import QuantkitError
 from quantkit.evaluation import evaluate
 from quantkit.kv.calibrate import calibrate_kv
 from quantkit.release.gate import CannotCompare, gate
+from helpers import gptq_recipe
+from quantkit.convert import convert
+from quantkit.convert.calibrated.walk import LEGACY_WORK_DIR, WORK_DIR
+from helpers import evaluate_small
 
 pytestmark = pytest.mark.slow  # real-model end-to-end: `pytest -m "not slow"` skips it in the edit loop
 
@@ -139,3 +143,28 @@ def test_eval_never_writes_its_run_into_the_model(synthetic, tmp_path):
         result = quantkit("eval", model, "--tasks", "arc_easy", "--limit", 2, "--out", out)
         one_line_error(result, "RUN_DIR must not be the model folder or inside it", code=None)
     assert sorted(p.name for p in model.rglob("*")) == before
+
+
+def test_a_link_at_a_work_subfolder_is_refused_and_nothing_lands_outside(llama_pair, synthetic, tmp_path):
+    base, _ = llama_pair
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "cache").symlink_to(outside)
+    with pytest.raises(QuantkitError, match="cache: is a link: refused"):
+        evaluate_small(base, run)
+    assert not list(outside.iterdir())
+
+    dst = tmp_path / "gptq"
+    recipe = gptq_recipe(tmp_path)
+    convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu")
+    shard = next(dst.glob("model-*.safetensors"))
+    shard.unlink()  # a shard to redo: --resume runs GPTQ again, in DST/.quantkit-calibrated
+    (dst / WORK_DIR).symlink_to(outside)
+    with pytest.raises(QuantkitError, match=r"\.quantkit-calibrated: is a link: refused"):
+        convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu", resume=True)
+    (dst / WORK_DIR).unlink()
+    (dst / LEGACY_WORK_DIR).symlink_to(outside)  # the folder's older name is not followed either
+    convert(synthetic["glm_moe_dsa"], dst, recipe, device="cpu", resume=True)
+    assert not list(outside.iterdir())

@@ -17,6 +17,8 @@ from quantkit.errors import QuantkitError
 from quantkit.kv.calibrate import calibrate_kv, layerwise_observe, whole_model_observe
 from quantkit.kv.hooks import KVObserver, fake_fp8, kv_hooks, kv_scales_of
 from quantkit.modeling import dequantized_state_dict, load_model
+from conftest import tree_bytes
+from helpers import one_line_error, quantkit
 
 
 def batches(vocab=512, n=3, seq=24, seed=0):
@@ -253,3 +255,53 @@ def test_calibrate_kv_in_place_never_writes_its_plot_through_a_link_in_the_model
     assert tokenizer.read_bytes() == before
     assert not (out / "kv_scales.png").is_symlink() and (out / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
     assert open_checkpoint(out).config.quantization_config["kv_cache_scheme"]
+
+
+def test_calibrate_kv_refuses_before_writing_a_byte(synthetic, tmp_path):
+    source = tmp_path / "fp8-source"  # a block-FP8 release, as GLM 5.x ships
+    shutil.copytree(synthetic["glm_moe_dsa"], source)
+    before = tree_bytes(source)
+    add = ["--samples", "2", "--seq-len", "32", "--device", "cpu"]
+    one_line_error(quantkit("calibrate-kv", source, "--in-place", *add), "config.json", "convert first")
+    one_line_error(quantkit("calibrate-kv", source, "--out", source / "scaled", *add), "the model folder or inside it")
+    assert tree_bytes(source) == before and not (source / "scaled").exists()
+    one_line_error(quantkit("calibrate-kv", source, "--out", tmp_path / "copy", *add), "convert first")
+    assert not (tmp_path / "copy").exists()
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"text": None}, "line 1: 'text' is null, not a text"),
+    ({"input_ids": [10**30] * 64}, "line 1: input_ids must be"),
+    ({"input_ids": [True] * 64}, "line 1: input_ids must be"),
+    ({"input_ids": [600] * 64}, "outside the model's vocabulary"),
+])
+def test_bad_calibration_rows_are_refused(llama_pair, tmp_path, row, message):
+    _, cand = llama_pair
+    data = tmp_path / "cal.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    r = quantkit("calibrate-kv", cand, "--out", tmp_path / "o", "--data", data, "--samples", "1", "--seq-len", "64",
+                 "--device", "cpu")
+    one_line_error(r, "cal.jsonl", message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_huge_paragraph_is_tokenized_only_as_far_as_the_samples_need(tmp_path):
+    from quantkit.calibration_data import read_rows, token_batches
+
+    data = tmp_path / "one-paragraph.txt"
+    data.write_text("word " * 8_000_000)  # 40 MB, no blank line
+    seen = []
+
+    class Counting:
+        eos_token_id = 0
+
+        def encode(self, text):
+            raise AssertionError("not used")
+
+        def __call__(self, text, add_special_tokens=False):
+            seen.append(len(text))
+            return {"input_ids": [7] * len(text.split())}
+
+    batches = token_batches(Counting(), read_rows(data), 8, 64, 4, data)
+    assert [tuple(b.shape) for b in batches] == [(4, 64), (4, 64)]
+    assert sum(seen) <= 1 << 17  # two pieces at most, not 40 MB

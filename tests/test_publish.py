@@ -17,6 +17,7 @@ from quantkit.release.publish import PublishRefused, publish
 from pathlib import Path
 from conftest import tree_bytes
 from helpers import one_line_error, quantkit
+import shlex
 
 SECRET = "hf_quantkitTESTtoken0123456789abcdef"
 
@@ -313,3 +314,33 @@ def test_a_link_inside_dst_is_not_published(llama_int4, tmp_path):
     (llama_int4 / "extra.txt").symlink_to(outside)
     r = quantkit("publish", llama_int4, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated", "--dry-run")
     one_line_error(r, "extra.txt", "outside the model's folder")
+
+
+def test_card_fields_are_validated_and_escaped(llama_pair, tmp_path):
+    _, cand = llama_pair
+    injected = "org/name\n```bash\nrm -rf ~\n```"
+    r = quantkit("publish", cand, "--repo", f"file://{tmp_path / 'out'}", "--force-ungated", "--base-model", injected)
+    one_line_error(r, "is not a hub model id")
+    assert not (tmp_path / "out").exists()
+    name = "name `x` $(id) [link](e)"
+    r = quantkit("publish", cand, "--repo", f"file://{tmp_path / name}", "--force-ungated", "--dry-run", "--json")
+    card = json.loads(r.stdout)["card"].splitlines()
+    assert "# name \\`x\\` $(id) \\[link\\](e)" in card  # literal text, no code span, no link
+    serve = next(line for line in card if line.startswith("python -m sglang.launch_server"))
+    assert shlex.split(serve)[4] == name  # one shell word: nothing runs when it is pasted
+
+
+def test_publish_to_a_crowded_folder_refuses_at_the_first_foreign_entry(llama_pair, tmp_path, monkeypatch):
+    _, cand = llama_pair
+    home = tmp_path / "home"
+    for i in range(50):
+        (home / f"dir{i}" / "deeper").mkdir(parents=True)
+    (home / "a-file").write_text("mine")
+    import quantkit.release.publish as publish_module
+
+    listed = []
+    real = os.scandir
+    monkeypatch.setattr(publish_module.os, "scandir", lambda path=".": listed.append(str(path)) or real(path))
+    r = quantkit("publish", cand, "--repo", f"file://{home}", "--force-ungated")
+    one_line_error(r, "holds a-file, which is not part of this model")
+    assert [p for p in listed if p.startswith(str(home))] == [str(home)]  # one folder listed, none walked

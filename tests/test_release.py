@@ -214,3 +214,29 @@ def test_release_resume_reruns_what_an_edited_recipe_or_suite_changes(synthetic,
     weights = load_file(next((tmp_path / "release-work" / "model").glob("model-*.safetensors")))
     scales = [t for n, t in weights.items() if n.endswith("q_proj.weight_scale")][0]
     assert scales.shape[1] == 256 // 64  # the edited recipe's group size, not the old output "done earlier"
+
+
+def test_a_release_resumed_after_its_published_folder_was_deleted_publishes_again(llama_pair, tmp_path):
+    base, _ = llama_pair
+    (tmp_path / "suite.yaml").write_text("tasks:\n  arc_easy: {margin: 100}\n")
+    config = {"source": str(base), "recipe": "dense-w4a16-g128", "convert": {"device": "cpu"},
+              "verify": {"smoke": False}, "eval": {"tasks": ["arc_easy"], "data_dir": str(DATA), "limit": 4,
+                                                   "device": "cpu"},
+              "suite": "suite.yaml", "publish": {"repo": "file://published"}}
+    path = tmp_path / "release.yaml"
+    path.write_text(json.dumps(config))
+    from quantkit.release import release
+
+    first = release(path)
+    published = tmp_path / "published"
+    assert first.published == str(published) and (published / "config.json").is_file()
+    shutil.rmtree(published)
+    again = release(path, resume=True)
+    statuses = {r.stage: (r.status, r.summary) for r in again.stages}
+    assert statuses["gate"][0] == "resumed"
+    assert statuses["publish"][0] == "ran" and "run again" in statuses["publish"][1]
+    assert (published / "config.json").is_file()
+    (tmp_path / "release-work" / "runs" / "candidate" / "samples" / "arc_easy.jsonl").write_text("")  # an edited run
+    statuses = {r.stage: r.status for r in release(path, resume=True).stages}
+    assert statuses["eval-baseline"] == "resumed" and statuses["eval-candidate"] == "ran"
+    assert statuses["gate"] == statuses["publish"] == "ran"

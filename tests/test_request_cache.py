@@ -7,6 +7,9 @@ from lm_eval.api.model import hash_args
 
 from quantkit.errors import QuantkitError
 from quantkit.evaluation.request_cache import RequestCache
+import shutil
+from quantkit.evaluation import RunRecord, cache_binding
+from helpers import evaluate_small
 
 ARGS = ("Question: 2+2?\nAnswer:", " 4")
 BINDING = "b" * 64
@@ -44,3 +47,36 @@ def test_a_linked_cache_is_refused(tmp_path):
     (tmp_path / "requests.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     with pytest.raises(QuantkitError, match="is a link"):
         RequestCache(tmp_path / "requests.jsonl", BINDING)
+
+
+def test_a_candidate_evaluated_into_a_folder_seeded_with_the_baselines_cache_is_refused(llama_pair, tmp_path):
+    base, cand = llama_pair
+    evaluate_small(base, tmp_path / "baseline")
+    seeded = tmp_path / "candidate"
+    (seeded / "cache").mkdir(parents=True)
+    shutil.copy(tmp_path / "baseline" / "cache" / "requests.jsonl", seeded / "cache")  # no run.json: nothing else binds it
+    with pytest.raises(QuantkitError, match=r"requests.jsonl: holds \d+ answer\(s\) of another model or engine setup"):
+        evaluate_small(cand, seeded)
+    assert not (seeded / "run.json").exists() and not (seeded / "results.json").exists()
+
+    # the same model again resumes from its own cache
+    again = evaluate_small(base, tmp_path / "baseline")
+    assert again.scores["arc_easy"]["n"] == 4
+
+
+def test_unbound_answers_and_a_copied_first_pass_are_refused(tmp_path):
+    record = RunRecord(model="m", model_checksums={"a": "0" * 64}, tasks={}, engine={"name": "hf", "version": "1"})
+    first, second = cache_binding(record, 1), cache_binding(record, 2)
+    assert first != second  # the repeat that measures engine noise cannot be a copy of the first pass
+    path = tmp_path / "requests.jsonl"
+    RequestCache(path, first).add_partial("loglikelihood", ("Q", " A"), (-1.0, True))
+    assert RequestCache(path, first).get("loglikelihood", ("Q", " A")) == (-1.0, True)
+    with pytest.raises(QuantkitError, match="1 answer.s. of another model or engine setup"):
+        RequestCache(path, second)
+    row = json.loads(path.read_text())
+    del row["binding"]  # what a cache written before binding looks like
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(QuantkitError, match="bound to no model"):
+        RequestCache(path, first)
+    other = dict(record.model_dump(), model_checksums={"a": "1" * 64})
+    assert cache_binding(RunRecord(**other), 1) != first

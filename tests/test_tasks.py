@@ -8,6 +8,9 @@ import pytest
 import yaml
 
 from quantkit.evaluation.tasks import TASKS
+import json
+import shutil
+from helpers import one_line_error, quantkit
 
 LM_EVAL_TASKS = Path(lm_eval.__file__).parent / "tasks"
 FIELDS = ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice")
@@ -42,3 +45,31 @@ def test_gsm8k_is_lm_evals_prompt_and_answer_extraction_zero_shot():
     # of text to the stops either way
     assert theirs["num_fewshot"] == 5 and "num_fewshot" not in ours
     assert ours["until"] == ["Question:", "\n\n"] and theirs["generation_kwargs"]["until"][0] == "Question:"
+
+
+def test_a_needle_task_without_a_context_length_is_refused(llama_pair, tmp_path):
+    base, _ = llama_pair
+    model = tmp_path / "no-context"
+    shutil.copytree(base, model)
+    config = json.loads((model / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (model / "config.json").write_text(json.dumps(config))
+    r = quantkit("eval", model, "--tasks", "needle_1k", "--device", "cpu", "--out", tmp_path / "run")
+    one_line_error(r, "config.json", "no max_position_embeddings")
+    r = quantkit("eval", model, "--tasks", "needle_" + "9" * 5000 + "k", "--out", tmp_path / "run")
+    one_line_error(r, "unknown task")
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"question": "q"\n', "line 1: not JSON"),
+    ('{"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}}\n', "line 1: 'answerKey' None"),
+    ("\n\n", "no items"),
+    ('{"question": "q", "choices": {"text": ["a"], "label": ["A", "B"]}, "answerKey": "A"}\n', "line 1: 'choices'"),
+])
+def test_bad_benchmark_data_is_one_line_naming_file_and_line(llama_pair, tmp_path, content, message):
+    base, _ = llama_pair
+    (tmp_path / "data" / "arc_easy").mkdir(parents=True)
+    (tmp_path / "data" / "arc_easy" / "test.jsonl").write_text(content)
+    r = quantkit("eval", base, "--tasks", "arc_easy", "--data-dir", tmp_path / "data", "--device", "cpu",
+                 "--out", tmp_path / "run")
+    one_line_error(r, "arc_easy/test.jsonl", message)

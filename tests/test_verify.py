@@ -17,6 +17,7 @@ from quantkit.engines.kernels import EngineRules
 from quantkit.packaged import recipe_path
 from quantkit.verify import verify
 from helpers import one_line_error, quantkit
+from safetensors.torch import save_file
 
 EXPERT = "model.layers.2.mlp.experts.3.down_proj"
 runner = CliRunner()
@@ -313,3 +314,25 @@ def test_a_log_gets_whole_file_names(synthetic, tmp_path):
     shard.write_bytes(bytes(data))
     r = quantkit("verify", dst, "--no-smoke")
     assert r.exit_code == 1 and str(shard) in r.output
+
+
+def test_verify_against_itself_or_another_source_fails(llama_pair, synthetic, tmp_path):
+    _, cand = llama_pair
+    r = quantkit("verify", cand, "--source", cand, "--no-smoke")
+    assert r.exit_code == 1 and "--source is DST itself" in r.output
+    r = quantkit("verify", cand, "--source", synthetic["glm_moe_dsa"], "--no-smoke")
+    assert r.exit_code == 1 and "differ from those of the recorded source" in r.output
+
+
+def test_a_tensor_name_with_a_newline_cannot_print_a_fake_pass(llama_pair, tmp_path):
+    _, cand = llama_pair
+    dst = tmp_path / "int4"
+    shutil.copytree(cand, dst)
+    save_file({"stray\nPASS": torch.zeros(1)}, dst / "extra.safetensors")
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["weight_map"]["stray\nPASS"] = "extra.safetensors"
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = quantkit("verify", dst, "--no-smoke")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and lines[-1].startswith("FAIL") and not any(line.startswith("PASS") for line in lines)
+    assert any("stray\\nPASS" in line for line in lines)

@@ -15,6 +15,9 @@ from quantkit.checkpoint.writer import BackgroundSha256, ShardWriter, sha256_fil
 from quantkit.errors import QuantkitError
 from helpers import one_line_error, quantkit
 from quantkit.checkpoint.writer import folder_lock
+import shutil
+from conftest import tree_bytes
+from helpers import evaluate_small
 
 TENSORS = {f"t{i}": torch.full((1000 + 37 * i, 64), i, dtype=torch.bfloat16) for i in range(12)}
 ENTRIES = [(name, "BF16", tuple(t.shape)) for name, t in TENSORS.items()]
@@ -144,3 +147,17 @@ def test_concurrent_writers_never_share_a_temporary_file(tmp_path):
     for t in threads:
         t.join()
     assert target.read_bytes() in payloads and not list(tmp_path.glob(".*partial"))
+
+
+def test_work_folders_are_locked_and_the_refusal_names_the_holder(llama_pair, tmp_path):
+    base, cand = llama_pair
+    (tmp_path / "run").mkdir()
+    with folder_lock(tmp_path / "run"):
+        with pytest.raises(QuantkitError, match=rf"in use by another quantkit process \(pid {os.getpid()} on "):
+            evaluate_small(base, tmp_path / "run")
+    copy = tmp_path / "cand"
+    shutil.copytree(cand, copy)
+    with folder_lock(copy):
+        r = quantkit("calibrate-kv", copy, "--in-place", "--samples", "2", "--seq-len", "32", "--device", "cpu")
+    one_line_error(r, str(copy), f"pid {os.getpid()}")
+    assert tree_bytes(copy) == tree_bytes(cand) | {".quantkit.lock": (copy / ".quantkit.lock").read_bytes()}

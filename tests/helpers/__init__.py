@@ -13,7 +13,7 @@ import torch
 from helpers.links import OUTSIDE, plant_link, replaced_by_a_picture  # noqa: F401  (re-exported)
 from helpers.recipes import INT4_GROUP, int4_group_recipe, release_config, signround_recipe  # noqa: F401
 from helpers.runs import (  # noqa: F401
-    BILLION_LAUGHS, passing_verdict, suite, write_generations, write_run, write_seeded,
+    BILLION_LAUGHS, evaluate_small, passing_verdict, suite, write_generations, write_run, write_seeded,
 )
 from quantkit.calibration_data import DEFAULT_DATA
 from quantkit.evaluation.run_dir import SampleRecord

@@ -86,3 +86,10 @@ def write_seeded(folder, task, outcomes, population, fraction=None, model="m"):
     (folder / "samples" / f"{task}.jsonl").write_text("\n".join(rows) + "\n")
     return folder
 
+
+def evaluate_small(model, out, **kw):
+    """Four ARC-Easy items of the demo's data on the CPU: an evaluation in a second or two."""
+    from quantkit.evaluation import evaluate
+    from quantkit.examples.demo import DATA
+
+    return evaluate(model, tasks=["arc_easy"], data_dir=DATA, limit=4, out=out, batch_size=4, device="cpu", **kw)
