@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from helpers import passing_verdict, suite, write_run
+from helpers import passing_verdict, suite, write_generations, write_run
 from quantkit.checkpoint.inspection import inspect_checkpoint
 from quantkit.cli import app
 from quantkit.convert import convert
@@ -234,12 +234,56 @@ def test_a_candidate_run_with_the_baselines_answers_to_the_last_digit_is_refused
     dst = tmp_path / "int4"
     convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu")
     copied = _logprob_runs(tmp_path / "copied", dst, lambda lp: [list(pair) for pair in lp])
-    with pytest.raises(PublishRefused, match="baseline run's log-probabilities to the last digit on every item"):
+    with pytest.raises(PublishRefused, match="baseline run's answers on every item .log-probabilities to the last"):
         publish(dst, "file://" + str(tmp_path / "out-copied"), gate=copied)
     assert not (tmp_path / "out-copied").exists()
     evaluated = _logprob_runs(tmp_path / "evaluated", dst, lambda lp: [[a * 1.0001, b] for a, b in lp])
     publish(dst, "file://" + str(tmp_path / "out-evaluated"), gate=evaluated)
     assert (tmp_path / "out-evaluated" / "config.json").is_file()
+
+
+def _generation_runs(folder, dst, base_texts, cand_texts, margin=5.0):
+    """_logprob_runs for a generative suite: GSM8K answers with the texts given, all correct, gated."""
+    from quantkit.checkpoint.manifest import load_manifest
+    from quantkit.checkpoint.reader import open_checkpoint
+    from quantkit.evaluation import model_checksums
+
+    runs = []
+    for name, texts, fingerprint in (("base", base_texts, load_manifest(dst).source_fingerprint),
+                                     ("cand", cand_texts, open_checkpoint(dst).fingerprint())):
+        run = write_generations(folder / name, [40] * len(texts))
+        rows = [json.loads(line) for line in (run / "samples" / "gsm8k.jsonl").read_text().splitlines()]
+        (run / "samples" / "gsm8k.jsonl").write_text(
+            "".join(json.dumps(dict(row, generation=text)) + "\n" for row, text in zip(rows, texts, strict=True)))
+        meta = json.loads((run / "run.json").read_text())
+        meta["model_fingerprint"] = fingerprint
+        if name == "cand":
+            meta["model_checksums"] = model_checksums(dst)
+        (run / "run.json").write_text(json.dumps(meta))
+        runs.append(run)
+    gate(*runs, suite=suite(folder, ["gsm8k"], margin=margin), report_dir=folder / "gate")
+    return folder / "gate" / "verdict.json"
+
+
+def test_a_generative_candidate_run_with_the_baselines_text_on_every_item_is_refused(synthetic, tmp_path):
+    """A generative suite has no log-probabilities to compare: a copied run gives the baseline's text word for word
+    on every answer, COPIED_GENERATIONS or more, which no converted model does; one answer that parts, or fewer
+    answers than that, publish."""
+    from quantkit.release.publish import COPIED_GENERATIONS
+
+    dst = tmp_path / "int4"
+    convert(synthetic["glm_moe_dsa"], dst, "glm5-int4-experts-g32", device="cpu")
+    texts = [f"{i} apples and {i + 1} pears make {2 * i + 1} fruits. #### {2 * i + 1}" for i in range(200)]
+    copied = _generation_runs(tmp_path / "copied", dst, texts, texts)
+    with pytest.raises(PublishRefused, match="generated text word for word"):
+        publish(dst, "file://" + str(tmp_path / "out-copied"), gate=copied)
+    parted = _generation_runs(tmp_path / "parted", dst, texts, texts[:-1] + [texts[-1].replace("make", "are")])
+    publish(dst, "file://" + str(tmp_path / "out-parted"), gate=parted)
+    few = texts[:COPIED_GENERATIONS - 1]
+    few = _generation_runs(tmp_path / "few", dst, few, few, margin=50.0)
+    publish(dst, "file://" + str(tmp_path / "out-few"), gate=few)
+    assert (tmp_path / "out-parted" / "config.json").is_file() and (tmp_path / "out-few" / "config.json").is_file()
+    assert not (tmp_path / "out-copied").exists()
 
 
 @pytest.mark.parametrize("where", ["source", "dst", "inside-dst", "around-dst", "empty", "non-empty"])

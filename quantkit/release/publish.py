@@ -30,6 +30,11 @@ from quantkit.errors import QuantkitError, field_error
 if TYPE_CHECKING:
     from quantkit.release.verdict import GateReport
 
+# Generated answers, all word for word the baseline's with no log-likelihood item to compare, that mark a candidate
+# run as the baseline's copy: a few short answers can agree in full, this many long ones from a converted model do not.
+COPIED_GENERATIONS = 32
+
+
 class PublishRefused(QuantkitError):
     """What would be published is not what was gated (or was never gated)."""
 
@@ -147,9 +152,10 @@ def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
                              "again", gate)
     baseline = read_run_record(Path(verdict.baseline))
     if _answers_copied(verdict, baseline, candidate):
-        raise PublishRefused("the gate's candidate run gives the baseline run's log-probabilities to the last digit "
-                             "on every item: no evaluation of this checkpoint does that (a copy of the baseline's "
-                             "run?); evaluate this folder and gate again", gate)
+        raise PublishRefused("the gate's candidate run gives the baseline run's answers on every item (log-"
+                             "probabilities to the last digit, generated text word for word): no evaluation of this "
+                             "checkpoint does that (a copy of the baseline's run?); evaluate this folder and gate "
+                             "again", gate)
     if baseline.model_fingerprint != manifest.source_fingerprint:
         what = ("a run that does not record which checkpoint it evaluated (re-run eval)"
                 if baseline.model_fingerprint is None else f"{baseline.model}")
@@ -158,22 +164,29 @@ def _runs_are_of_this_model(dst: Path, verdict: GateReport, gate: Path) -> None:
 
 
 def _answers_copied(verdict: GateReport, baseline, candidate) -> bool:
-    """Whether every item both runs scored by log-likelihood has the same log-probabilities in both: a converted
-    model's differ in the last digits on almost every item, so a run that matches on all of them is the baseline's
-    run under another name. Runs with no such item (generative tasks only) are not told apart this way."""
+    """Whether the candidate's answers are the baseline's on every item both runs answered: the same log-probabilities
+    where scored by log-likelihood, the same text where generated. A converted model's log-probabilities differ in the
+    last digits on almost every item, and its greedy answers part from the source's somewhere in most long ones; so
+    runs alike everywhere, on at least one log-likelihood item or COPIED_GENERATIONS of generated ones, are the
+    baseline's run under another name. Fewer generated items alone are not told apart this way."""
     from quantkit.release.gate import load_samples
 
-    compared = False
+    scored = generated = 0
     for task in (t.task for t in verdict.tasks):
         theirs = load_samples(Path(verdict.baseline), baseline, task)
-        ours = load_samples(Path(verdict.candidate), candidate, task)
-        for item, sample in ours.items():
-            if sample.choice_logprobs is None or item not in theirs or theirs[item].choice_logprobs is None:
+        for item, ours in load_samples(Path(verdict.candidate), candidate, task).items():
+            other = theirs.get(item)
+            if other is None:
                 continue
-            if sample.choice_logprobs != theirs[item].choice_logprobs:
-                return False
-            compared = True
-    return compared
+            if ours.choice_logprobs is not None and other.choice_logprobs is not None:
+                if ours.choice_logprobs != other.choice_logprobs:
+                    return False
+                scored += 1
+            elif ours.generation is not None and other.generation is not None:
+                if ours.generation != other.generation:
+                    return False
+                generated += 1
+    return scored > 0 or generated >= COPIED_GENERATIONS
 
 
 def _gate_again(verdict: GateReport, path: Path) -> GateReport:
