@@ -208,10 +208,10 @@ def test_an_expert_no_token_reaches_is_handled_as_configured_and_recorded(moe_ru
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert torch.equal(rtn[f"{expert}.{proj}.weight_packed"], fell_back[f"{expert}.{proj}.weight_packed"])
     result = run["routed-result"].calibrated
-    assert result["expert_tokens"][expert] == 0
-    assert sum(result["expert_tokens"].values()) > 0
+    assert result.expert_tokens[expert] == 0
+    assert sum(result.expert_tokens.values()) > 0
     # the MTP layer's experts are outside the forward: RTN, and said so
-    assert all(".layers.3." in m for m in result["rtn_outside_calibration"]) and result["rtn_outside_calibration"]
+    assert all(".layers.3." in m for m in result.rtn_outside_calibration) and result.rtn_outside_calibration
 
 
 @pytest.mark.parametrize("family", list(RTN_FOR))

@@ -193,11 +193,11 @@ def test_gptq_experts_in_groups_on_cuda_give_the_bytes_of_one_group(synthetic, t
 
 
 def test_layer_inputs_kept_in_host_memory_give_the_same_bytes(synthetic, tmp_path, monkeypatch):
-    from quantkit.convert import calibrated
+    from quantkit.convert.calibrated import preflight
 
     recipe = _routed_gptq(tmp_path)
     convert(synthetic["glm_moe_dsa"], tmp_path / "device", recipe, device="cuda")
-    monkeypatch.setattr(calibrated, "memory_plan", lambda *args: "cpu")
+    monkeypatch.setattr(preflight, "memory_plan", lambda *args: "cpu")
     convert(synthetic["glm_moe_dsa"], tmp_path / "host", recipe, device="cuda")
     assert tree_bytes(tmp_path / "host") == tree_bytes(tmp_path / "device")
 

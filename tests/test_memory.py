@@ -8,7 +8,8 @@ import torch
 from helpers import gptq_recipe
 
 from quantkit.checkpoint.reader import open_checkpoint
-from quantkit.convert import calibrated, calibration_batches, convert
+from quantkit.convert import calibration_batches, convert
+from quantkit.convert.calibrated import preflight
 from quantkit.convert.calibrated.memory import GIB, Budget, expert_groups, layer_weight_bytes
 from quantkit.convert.tensor_plan import plan_conversion
 from quantkit.errors import QuantkitError
@@ -41,7 +42,7 @@ def _plan(synthetic, limit: int, folder):
     recipe = load_recipe(gptq_recipe(folder))
     plan = plan_conversion(ckpt, recipe, 5 * 10**9)
     batches = calibration_batches(ckpt, recipe, None)
-    return calibrated.memory_plan(ckpt, plan, recipe, batches, Budget("cuda:0", limit), None)
+    return preflight.memory_plan(ckpt, plan, recipe, batches, Budget("cuda:0", limit), None)
 
 
 def test_layer_inputs_stay_on_the_device_when_there_is_room_and_go_to_the_host_when_not(synthetic, tmp_path):

@@ -27,8 +27,10 @@ from quantkit.checkpoint.reader import Checkpoint, open_checkpoint
 from quantkit.checkpoint.writer import folder_lock
 from quantkit.convert import calibrated
 from quantkit.convert import dst as dst_folder
-from quantkit.convert.calibrated import calibration_batches_of as calibration_batches
+from quantkit.convert.calibrated import preflight
 from quantkit.convert.calibrated.memory import Budget
+from quantkit.convert.calibrated.preflight import calibration_batches_of as calibration_batches
+from quantkit.convert.calibrated.summary import CalibratedSummary, summary
 from quantkit.convert.dst import DifferentRun, output_quantization_config
 from quantkit.convert.pipeline import Job, Progress, ShardWork, Stats, run_all
 from quantkit.convert.processes import run_in_processes, start_server, uses_processes
@@ -61,7 +63,7 @@ class ConvertResult:
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     tensors_by_group: dict[str, int] = field(default_factory=dict)  # recipe group -> weights it took
-    calibrated: calibrated.CalibratedSummary | None = None  # GPTQ, SignRound recipes
+    calibrated: CalibratedSummary | None = None  # GPTQ, SignRound recipes
     skipped_files: list[str] = field(default_factory=list)  # weight files in SRC the index does not own
     warnings: list[str] = field(default_factory=list)
 
@@ -115,7 +117,7 @@ def convert(
     with folder_lock(job.dst):
         manifest, finished = dst_folder.prepare_dst(job.dst, manifest, resume, force)
         todo = [s for s in job.plan.shards if not dst_folder.is_done(job.dst, s, manifest, verify_reused)]
-        made_by_walk = calibrated.target_modules(job.ckpt, job.plan, job.recipe)
+        made_by_walk = walk.target_modules(job.ckpt, job.plan, job.recipe)
         if verify_reused:
             kept = [s for s in job.plan.shards if s not in todo]
             dst_folder.same_source(job.ckpt, kept, manifest, made_by_walk, job.workers)
@@ -129,7 +131,7 @@ def convert(
             stats.warn(f"{len(todo)} finished shard(s) differed from the manifest and were written again; "
                        "config.json and the index are rewritten, so KV scales added since must be calibrated again")
         quantized = None
-        if job.batches and calibrated.needs_layer_walk(todo, job.ckpt, job.plan, job.recipe):
+        if job.batches and walk.needs_layer_walk(todo, job.ckpt, job.plan, job.recipe):
             quantized = _calibrate(job, manifest, on_layer)
         # a finished run with every shard intact keeps its files (and calibrate-kv's additions)
         if todo or not finished:
@@ -180,13 +182,13 @@ def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard
     if rec.calibration:  # the algorithm's libraries and reach, checked before DST exists
         calibrated.QUANTIZERS[rec.algorithm]().check(ckpt, plan, rec)
     if resume:
-        dtype = calibrated.resumed_dtype(rec, dtype, dst, ckpt)
-    compute = calibrated.walk_dtype(rec, dtype, devices[0], ckpt)
+        dtype = preflight.resumed_dtype(rec, dtype, dst, ckpt)
+    compute = preflight.walk_dtype(rec, dtype, devices[0], ckpt)
     batches = calibration_batches(ckpt, rec, calibration_data) if rec.calibration else None
     if gpu_memory is not None and not devices[0].startswith("cuda"):
         raise QuantkitError(f"--gpu-memory is for GPU devices; this conversion runs on {devices[0]}")
     budget = Budget.of(devices[0], gpu_memory) if rec.calibration else None
-    store = calibrated.memory_plan(ckpt, plan, rec, batches or [], budget, compute)
+    store = preflight.memory_plan(ckpt, plan, rec, batches or [], budget, compute)
     # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
     workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
     return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute, budget, store)
@@ -236,7 +238,7 @@ def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quan
         seconds=seconds,
         stage_seconds=dict(stats.seconds),
         tensors_by_group={g: plan.weights_by_group[g] for g in rec.config.config_groups},
-        calibrated=calibrated.summary(manifest, quantized, job.ckpt, plan, rec) if rec.calibration else None,
+        calibrated=summary(manifest, quantized, job.ckpt, plan, rec) if rec.calibration else None,
         skipped_files=list(job.ckpt.skipped_files),
         warnings=list(stats.warnings),
     )

@@ -159,6 +159,18 @@ def calibration_targets(ckpt: Checkpoint, plan: ConversionPlan, recipe: Recipe) 
     return dict(sorted(out.items()))
 
 
+def target_modules(ckpt, plan, rec) -> frozenset[str]:
+    """The modules a calibrated recipe's layer walk quantizes (none for round-to-nearest)."""
+    if rec.calibration is None:
+        return frozenset()
+    return frozenset(t.module for layer in calibration_targets(ckpt, plan, rec).values() for t in layer)
+
+
+def needs_layer_walk(todo, ckpt, plan, rec) -> bool:
+    targets = target_modules(ckpt, plan, rec)
+    return any(a.module in targets for s in todo for a in s.actions)
+
+
 def calibration_digest(batches: list[torch.Tensor], recipe: Recipe) -> str:
     """Identifies the calibration: the token ids and the algorithm's settings (a resumed run must use the same)."""
     settings = recipe.calibrated
