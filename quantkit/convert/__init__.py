@@ -3,7 +3,9 @@
 Streaming, shard by shard. Each output shard is one job: a reader thread preads the source
 tensors ahead, the job thread decodes / quantizes / packs them on its device, and a writer
 streams the results into the shard behind a header planned in advance. Jobs run on a pool of
-workers (CPU threads or GPUs). Memory is a few tensors per worker, not a shard, not a model.
+workers: threads, or on GPUs for a large job processes (convert/processes.py). Memory is a few
+tensors per worker, not a shard, not a model. What is decided before DST is touched is in
+conversion.py.
 
 The manifest in DST makes the run resumable after any kill: finished shards are recorded with
 their sha256, files only appear under their final names once complete, and a re-run with
@@ -18,31 +20,21 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from quantkit import __version__
 from quantkit.checkpoint.families import detect_family
 from quantkit.checkpoint.manifest import Manifest, ManifestStatus
-from quantkit.checkpoint.reader import Checkpoint, open_checkpoint
 from quantkit.checkpoint.writer import folder_lock
 from quantkit.convert import calibrated
 from quantkit.convert import dst as dst_folder
-from quantkit.convert.calibrated import preflight
-from quantkit.convert.calibrated.memory import Budget
 from quantkit.convert.calibrated.preflight import calibration_batches_of as calibration_batches
 from quantkit.convert.calibrated.summary import CalibratedSummary, summary
+from quantkit.convert.conversion import Conversion, checked_and_planned, manifest_of
 from quantkit.convert.dst import DifferentRun, output_quantization_config
 from quantkit.convert.pipeline import Job, Progress, ShardWork, Stats, run_all
 from quantkit.convert.processes import run_in_processes, start_server, uses_processes
-from quantkit.convert.tensor_plan import ConversionPlan, plan_conversion
-from quantkit.devices import resolve_devices
-from quantkit.errors import QuantkitError
-from quantkit.formats.recipe import Recipe, load_recipe
 from quantkit.settings import CONVERT
 from quantkit.sizes import parse_size
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["ConvertResult", "DifferentRun", "calibration_batches", "convert", "output_quantization_config"]
 
@@ -107,11 +99,11 @@ def convert(
     from quantkit.convert.calibrated import walk  # torch: only a conversion needs it (imported before the clock)
 
     started = time.perf_counter()
-    job = _setup(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume, force,
-                 calibration_data, dtype, gpu_memory)
+    job = checked_and_planned(Path(src), Path(dst), recipe, device, workers, parse_size(max_shard_size), resume,
+                              force, calibration_data, dtype, gpu_memory)
     if uses_processes(job.devices, job.workers, job.ckpt.total_bytes):
         start_server()
-    manifest = _manifest(job)
+    manifest = manifest_of(job)
     dst_folder.make_folder(job.dst)
     dst_folder.refuse_foreign(job.dst)  # before the lock file is created in someone else's folder; again under the lock
     with folder_lock(job.dst):
@@ -145,81 +137,14 @@ def convert(
     return _result(job, manifest, todo, stats, quantized, time.perf_counter() - started)
 
 
-@dataclass
-class _Conversion:
-    """A conversion checked and planned, before DST is touched."""
-
-    src: Path
-    dst: Path
-    ckpt: Checkpoint
-    recipe: Recipe
-    plan: ConversionPlan
-    shard_size: int
-    devices: list[str]
-    workers: int
-    batches: list | None  # a calibrated recipe's token batches
-    compute: torch.dtype | None = None  # what a GPTQ walk computes in; None: the model's dtype
-    budget: Budget | None = None  # the GPU memory a calibrated layer may hold
-    store: str | None = None  # where the calibrated walk keeps the layer inputs (None: on the device)
-
-
-def _setup(src: Path, dst: Path, recipe, device: str, workers: int | None, shard_size: int, resume: bool, force: bool,
-           calibration_data, dtype: str = CONVERT.dtype, gpu_memory: str | int | None = None) -> _Conversion:
-    if resume and force:
-        raise QuantkitError("--resume and --force exclude each other")
-    from quantkit.compute_dtype import check_dtype
-
-    check_dtype(dtype)
-    if workers is not None and workers < 1:
-        raise QuantkitError(f"--workers must be at least 1 (got {workers})")
-    dst_folder.check_paths(src, dst)
-    ckpt = open_checkpoint(src)
-    rec = load_recipe(recipe)
-    plan = plan_conversion(ckpt, rec, shard_size)
-    devices = resolve_devices(device)
-    if calibration_data is not None and rec.calibration is None:
-        raise QuantkitError(f"--calibration-data is for GPTQ and SignRound recipes; {rec.name} is round-to-nearest")
-    if rec.calibration:  # the algorithm's libraries and reach, checked before DST exists
-        calibrated.QUANTIZERS[rec.algorithm]().check(ckpt, plan, rec)
-    if resume:
-        dtype = preflight.resumed_dtype(rec, dtype, dst, ckpt)
-    compute = preflight.walk_dtype(rec, dtype, devices[0], ckpt)
-    batches = calibration_batches(ckpt, rec, calibration_data) if rec.calibration else None
-    if gpu_memory is not None and not devices[0].startswith("cuda"):
-        raise QuantkitError(f"--gpu-memory is for GPU devices; this conversion runs on {devices[0]}")
-    budget = Budget.of(devices[0], gpu_memory) if rec.calibration else None
-    store = preflight.memory_plan(ckpt, plan, rec, batches or [], budget, compute)
-    # GPUs: enough jobs per device to keep the disk busy while others compute; CPU: one per core
-    workers = workers or (4 * len(devices) if devices[0] != "cpu" else min(4, os.cpu_count() or 1))
-    return _Conversion(src, dst, ckpt, rec, plan, shard_size, devices, workers, batches, compute, budget, store)
-
-
-def _manifest(job: _Conversion) -> Manifest:
-    """The manifest this conversion writes; a resumed run must match it in everything but its shards."""
-    from quantkit.compute_dtype import dtype_name
-    from quantkit.convert.calibrated.walk import calibration_digest
-
-    return Manifest(
-        quantkit_version=__version__,
-        source_path=str(job.src.resolve()),
-        source_fingerprint=job.ckpt.fingerprint(),
-        recipe_name=job.recipe.name,
-        recipe_sha256=job.recipe.sha256,
-        plan_sha256=job.plan.digest(),
-        max_shard_size=job.shard_size,
-        calibration_sha256=calibration_digest(job.batches, job.recipe) if job.batches else None,
-        computed_in=dtype_name(job.compute) if job.compute is not None else None,
-    )
-
-
-def _calibrate(job: _Conversion, manifest: Manifest, on_layer: Callable | None):
+def _calibrate(job: Conversion, manifest: Manifest, on_layer: Callable | None):
     """GPTQ's or SignRound's layer walk; its packed weights wait in DST's work folder for the shards."""
     assert job.batches is not None  # set for every calibrated recipe
     return calibrated.run_calibrated(job.ckpt, job.recipe, job.plan, job.dst, manifest, job.batches, job.devices,
                                      on_layer, job.compute, job.budget, job.store)
 
 
-def _result(job: _Conversion, manifest: Manifest, todo: list, stats: Stats, quantized, seconds: float) -> ConvertResult:
+def _result(job: Conversion, manifest: Manifest, todo: list, stats: Stats, quantized, seconds: float) -> ConvertResult:
     plan, rec = job.plan, job.recipe
     planned = {s.name for s in plan.shards}
     return ConvertResult(
