@@ -35,7 +35,8 @@ PROCESSES_FROM_BYTES = 100 * 10**9
 def uses_processes(devices: list[str], workers: int, todo_bytes: int) -> bool:
     """Processes for a large job on GPUs; threads on a CPU, where each tensor's torch work is long and releases the
     GIL and a laptop would pay a torch import per worker process."""
-    return devices[0].startswith("cuda") and workers > 1 and todo_bytes >= PROCESSES_FROM_BYTES
+    return (devices[0].startswith("cuda") and workers > 1 and todo_bytes >= PROCESSES_FROM_BYTES
+            and hasattr(os, "pidfd_open"))  # Linux 5.3+: how a worker sees the conversion's process end
 
 
 def start_server() -> None:
