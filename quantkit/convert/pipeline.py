@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from quantkit.checkpoint.manifest import Manifest, ShardRecord
 from quantkit.checkpoint.reader import Checkpoint, TensorReader
@@ -157,14 +157,19 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
             job.record(shard, written.sha256, written.size, digest)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, s) for s in todo]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:  # the first failure stops the run; running jobs end on their own
-                future.cancel()
-            raise
+        each_result({pool.submit(one, s): s for s in todo}, lambda shard, result: None)
+
+
+def each_result(futures: dict, on_result: Callable) -> None:
+    """``on_result(key, result)`` for each future in the order submitted. The first failure stops the run: the
+    futures not started are cancelled (running jobs end on their own) and it is raised as the job raised it."""
+    try:
+        for future, key in futures.items():
+            on_result(key, future.result())
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
 
 
 @dataclass

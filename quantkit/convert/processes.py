@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import forkserver
 
-from quantkit.convert.pipeline import Job, Progress, ShardWork, Slot, Stats, convert_shard
+from quantkit.convert.pipeline import Job, Progress, ShardWork, Slot, Stats, convert_shard, each_result
 from quantkit.convert.tensor_plan import OutputShard
 
 PRELOAD = ["torch", "quantkit.convert.processes"]
@@ -92,21 +92,18 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start, initargs=setup) as pool:
             futures = {pool.submit(_convert, shard): shard for shard in todo}
-            try:
-                for future, shard in futures.items():
-                    done = future.result()
-                    job.record(shard, done.sha256, done.size, done.source_digest)
-                    for stage, seconds in done.seconds.items():
-                        job.stats.add(stage, seconds)
-                    for warning in done.warnings:
-                        job.stats.warn(warning)
-            except BaseException:
-                for future in futures:  # the first failure stops the run; running shards end on their own
-                    future.cancel()
-                raise
+            each_result(futures, lambda shard, done: _recorded(job, shard, done))
     finally:
         progress.put(None)
         listener.join()
+
+
+def _recorded(job: Job, shard: OutputShard, done: ShardDone) -> None:
+    job.record(shard, done.sha256, done.size, done.source_digest)
+    for stage, seconds in done.seconds.items():
+        job.stats.add(stage, seconds)
+    for warning in done.warnings:
+        job.stats.warn(warning)
 
 
 def _forward_progress(queue, progress: Progress) -> None:
