@@ -208,6 +208,14 @@ def test_a_worker_process_failure_is_the_one_line_error_and_nothing_partial_stay
     assert json.loads((tmp_path / "dst" / "quantkit-manifest.json").read_text())["status"] != "complete"
 
 
+def test_worker_processes_with_no_shard_to_convert_start_none():
+    """A finished run resumed converts nothing: no pool of zero workers (a ValueError), no forkserver."""
+    from quantkit.convert.pipeline import Job
+    from quantkit.convert.processes import run_in_processes
+
+    run_in_processes(Job(work=None, manifest=None, stats=None, progress=None), [], 4, ["cuda:0"])
+
+
 KILLED_MID_WAY = """
 import os, signal, sys
 from pathlib import Path

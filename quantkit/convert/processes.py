@@ -79,6 +79,8 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     """Convert ``todo`` in ``workers`` processes, slots spread over ``devices`` in turn; a finished shard goes into
     the manifest at once. The first failure cancels the shards not started and is raised here as the worker raised
     it."""
+    if not todo:
+        return
     workers = min(workers, len(todo))  # every worker starts at once, with a CUDA context of its own
     start_server()
     context = multiprocessing.get_context("forkserver")
