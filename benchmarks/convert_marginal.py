@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_speed import build_source, memory_ceiling, output_digest, timed_run  # noqa: E402
+from convert_speed import build_source, memory_ceiling, output_digest, read_files, timed_run, write_hashed  # noqa: E402,E501
 
 KINDS = {"threads": 10**18, "processes": 0}  # PROCESSES_FROM_BYTES for each kind of worker
 RUN = ("import sys; from quantkit.convert import processes; processes.PROCESSES_FROM_BYTES = int(sys.argv.pop(1)); "
@@ -41,29 +41,6 @@ def convert(src: Path, dst: Path, device: str, workers: int, kind: str) -> dict:
     r = timed_run(cmd, cwd=Path(__file__).resolve().parent.parent)
     result = json.loads(r.pop("stdout"))
     return {"seconds": result["seconds"], "peak_tree_pss_GiB": r["peak_tree_pss_GiB"], "digest": output_digest(dst)}
-
-
-def _process_share(files: list[str], out: str, nbytes: int) -> None:
-    import hashlib
-    import os
-
-    buf, block = bytearray(16 << 20), os.urandom(16 << 20)
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            offset = 0
-            while n := os.preadv(fd, [buf], offset):
-                offset += n
-        finally:
-            os.close(fd)
-    digest = hashlib.sha256()
-    with open(out, "wb") as f:
-        done = 0
-        while done < nbytes:
-            chunk = memoryview(block)[:min(len(block), nbytes - done)]
-            f.write(chunk)
-            digest.update(chunk)
-            done += len(chunk)
 
 
 def process_ceiling(src: Path, out_dir: Path, out_bytes: int, processes: int) -> float:
@@ -88,8 +65,11 @@ def process_ceiling(src: Path, out_dir: Path, out_bytes: int, processes: int) ->
 
 
 def _after(start, files, out, nbytes) -> None:
+    import os
+
     start.wait()
-    _process_share(files, out, nbytes)
+    read_files(files)
+    write_hashed(out, nbytes, os.urandom(16 << 20))
 
 
 def main() -> None:

@@ -160,6 +160,34 @@ def disk_limit(workdir: Path, nbytes: int) -> dict:
     return {"read_GBps": read, "write_GBps": write, "probe_bytes": n * len(block), "cold_cache_by": cache}
 
 
+def read_files(files) -> None:
+    """pread each file whole into one reused 16 MiB buffer: the reading a conversion cannot skip."""
+    buf = bytearray(16 << 20)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while n := os.preadv(fd, [buf], offset):
+                offset += n
+        finally:
+            os.close(fd)
+
+
+def write_hashed(path, nbytes: int, block: bytes) -> None:
+    """Write ``nbytes`` of ``block`` repeated to ``path`` and sha256 them as written: the writing and hashing a
+    conversion cannot skip."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        done = 0
+        while done < nbytes:
+            chunk = memoryview(block)[:min(len(block), nbytes - done)]
+            f.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+
+
 def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) -> float:
     """Seconds to read every source shard (``readers`` threads, pread) while writing ``out_bytes`` to one
     file in 64 MiB chunks with writeback started per chunk, then fsync: the IO a conversion cannot skip."""
@@ -170,17 +198,6 @@ def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) ->
     files = sorted(src.glob("*.safetensors"))
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "ceiling-probe.bin"
-
-    def read(my_files):
-        buf = bytearray(16 << 20)
-        for path in my_files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                offset = 0
-                while n := os.preadv(fd, [buf], offset):
-                    offset += n
-            finally:
-                os.close(fd)
 
     def write():
         block = os.urandom(WRITEBACK_CHUNK)
@@ -198,7 +215,7 @@ def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) ->
             os.fsync(f.fileno())
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=read, args=(files[i::readers],)) for i in range(readers)]
+    threads = [threading.Thread(target=read_files, args=(files[i::readers],)) for i in range(readers)]
     threads.append(threading.Thread(target=write))
     for t in threads:
         t.start()
@@ -212,37 +229,15 @@ def ceiling_probe(src: Path, out_dir: Path, out_bytes: int, readers: int = 4) ->
 def memory_ceiling(src: Path, out_dir: Path, out_bytes: int, threads: int) -> float:
     """Seconds for ``threads`` readers to pread every source shard while ``threads`` writers write and sha256-hash
     ``out_bytes`` in as many files: the bytes a conversion moves and hashes, with nothing computed."""
-    import hashlib
     import threading
 
     files = sorted(src.glob("*.safetensors"))
     out_dir.mkdir(parents=True, exist_ok=True)
     block = os.urandom(16 << 20)
-
-    def read(my_files):
-        buf = bytearray(16 << 20)
-        for path in my_files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                offset = 0
-                while n := os.preadv(fd, [buf], offset):
-                    offset += n
-            finally:
-                os.close(fd)
-
-    def write(i: int, nbytes: int):
-        digest = hashlib.sha256()
-        with open(out_dir / f"ceiling-{i}.bin", "wb") as f:
-            done = 0
-            while done < nbytes:
-                chunk = memoryview(block)[:min(len(block), nbytes - done)]
-                f.write(chunk)
-                digest.update(chunk)
-                done += len(chunk)
-
     share = -(-out_bytes // threads)
-    workers = [threading.Thread(target=read, args=(files[i::threads],)) for i in range(threads)]
-    workers += [threading.Thread(target=write, args=(i, share)) for i in range(threads)]
+    workers = [threading.Thread(target=read_files, args=(files[i::threads],)) for i in range(threads)]
+    workers += [threading.Thread(target=write_hashed, args=(out_dir / f"ceiling-{i}.bin", share, block))
+                for i in range(threads)]
     t0 = time.perf_counter()
     for t in workers:
         t.start()
