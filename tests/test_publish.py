@@ -205,23 +205,29 @@ def test_a_candidate_run_copied_from_the_baseline_with_the_models_checksums_is_r
     assert not (tmp_path / "out").exists()
 
 
-def _logprob_runs(folder, dst, candidate_logprobs):
-    """A baseline run of the model DST was converted from and a candidate run recording DST, both scoring 200
-    ARC-Easy items by log-likelihood, gated; the candidate's log-probabilities as given."""
+def _bind(base, cand, dst):
+    """The baseline run records the model DST was converted from, the candidate run DST itself (its fingerprint and
+    checksums): what an honest evaluation of each writes."""
     from quantkit.checkpoint.manifest import load_manifest
     from quantkit.checkpoint.reader import open_checkpoint
     from quantkit.evaluation import model_checksums
 
-    outcomes = {"arc_easy": [1, 0, 1, 1] * 50}
-    base_lp = {"arc_easy": [[-1.0 - i / 1000, -2.0] for i in range(200)]}
-    base = write_run(folder / "base", outcomes, logprobs=base_lp)
-    cand = write_run(folder / "cand", outcomes, logprobs={"arc_easy": candidate_logprobs(base_lp["arc_easy"])})
     for run, fingerprint in ((base, load_manifest(dst).source_fingerprint), (cand, open_checkpoint(dst).fingerprint())):
         meta = json.loads((run / "run.json").read_text())
         meta["model_fingerprint"] = fingerprint
         if run == cand:
             meta["model_checksums"] = model_checksums(dst)
         (run / "run.json").write_text(json.dumps(meta))
+
+
+def _logprob_runs(folder, dst, candidate_logprobs):
+    """A baseline run of the model DST was converted from and a candidate run recording DST, both scoring 200
+    ARC-Easy items by log-likelihood, gated; the candidate's log-probabilities as given."""
+    outcomes = {"arc_easy": [1, 0, 1, 1] * 50}
+    base_lp = {"arc_easy": [[-1.0 - i / 1000, -2.0] for i in range(200)]}
+    base = write_run(folder / "base", outcomes, logprobs=base_lp)
+    cand = write_run(folder / "cand", outcomes, logprobs={"arc_easy": candidate_logprobs(base_lp["arc_easy"])})
+    _bind(base, cand, dst)
     gate(base, cand, suite=suite(folder, ["arc_easy"], margin=5.0), report_dir=folder / "gate")
     return folder / "gate" / "verdict.json"
 
@@ -244,23 +250,14 @@ def test_a_candidate_run_with_the_baselines_answers_to_the_last_digit_is_refused
 
 def _generation_runs(folder, dst, base_texts, cand_texts, margin=5.0):
     """_logprob_runs for a generative suite: GSM8K answers with the texts given, all correct, gated."""
-    from quantkit.checkpoint.manifest import load_manifest
-    from quantkit.checkpoint.reader import open_checkpoint
-    from quantkit.evaluation import model_checksums
-
     runs = []
-    for name, texts, fingerprint in (("base", base_texts, load_manifest(dst).source_fingerprint),
-                                     ("cand", cand_texts, open_checkpoint(dst).fingerprint())):
+    for name, texts in (("base", base_texts), ("cand", cand_texts)):
         run = write_generations(folder / name, [40] * len(texts))
         rows = [json.loads(line) for line in (run / "samples" / "gsm8k.jsonl").read_text().splitlines()]
         (run / "samples" / "gsm8k.jsonl").write_text(
             "".join(json.dumps(dict(row, generation=text)) + "\n" for row, text in zip(rows, texts, strict=True)))
-        meta = json.loads((run / "run.json").read_text())
-        meta["model_fingerprint"] = fingerprint
-        if name == "cand":
-            meta["model_checksums"] = model_checksums(dst)
-        (run / "run.json").write_text(json.dumps(meta))
         runs.append(run)
+    _bind(*runs, dst)
     gate(*runs, suite=suite(folder, ["gsm8k"], margin=margin), report_dir=folder / "gate")
     return folder / "gate" / "verdict.json"
 

@@ -7,7 +7,6 @@ import shutil
 import pytest
 from helpers import add_word_tokenizer
 
-from quantkit.convert import convert
 from quantkit.evaluation import evaluate
 from quantkit.evaluation.run_dir import seeded_order
 from quantkit.examples.synthetic import build_synthetic
@@ -17,13 +16,10 @@ from quantkit.release.gate import gate
 
 
 @pytest.fixture(scope="module")
-def setup(synthetic, tmp_path_factory):
+def setup(llama_pair, tmp_path_factory):
+    """conftest's word-level Llama and its INT4 conversion (read only here), and 120 ARC-Easy items."""
+    base, cand = llama_pair
     root = tmp_path_factory.mktemp("sequential")
-    base = root / "base"
-    shutil.copytree(synthetic["llama"], base)
-    add_word_tokenizer(base)
-    cand = root / "int4"
-    convert(base, cand, "dense-w4a16-g128", device="cpu")
     data = root / "data" / "arc_easy"
     data.mkdir(parents=True)
     (data / "test.jsonl").write_text("".join((DATA / "arc_easy" / "test.jsonl").read_text().splitlines(True)[:120]))
