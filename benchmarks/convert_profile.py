@@ -61,7 +61,7 @@ class GilProbe:
 def timed_phases(phases: dict) -> None:
     """Wrap the conversion's phase functions so that each adds its wall seconds to ``phases``."""
     import quantkit.convert as convert_module
-    from quantkit.convert import dst, pipeline
+    from quantkit.convert import pipeline
 
     def wrap(module, name, key):
         fn = getattr(module, name)
@@ -75,11 +75,11 @@ def timed_phases(phases: dict) -> None:
 
         setattr(module, name, timed)
 
-    wrap(convert_module, "_setup", "setup")
-    wrap(pipeline, "capture_graphs", "capture")
+    wrap(convert_module, "checked_and_planned", "setup")
+    wrap(pipeline.Slot, "capture", "capture")
     wrap(pipeline, "convert_shard", "jobs_thread_s")
     wrap(convert_module, "run_all", "run_all")
-    wrap(dst, "finish", "finish")
+    wrap(convert_module, "run_in_processes", "run_in_processes")
 
 
 def main() -> None:

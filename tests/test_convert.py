@@ -216,6 +216,96 @@ def test_worker_processes_with_no_shard_to_convert_start_none():
     run_in_processes(Job(work=None, manifest=None, stats=None, progress=None), [], 4, ["cuda:0"])
 
 
+def _runs_everywhere(monkeypatch, run_bytes: int | None = None) -> list[int]:
+    """Runs (convert/runs.py) made on the CPU too; returns the list each run's action count goes into."""
+    import quantkit.convert.pipeline as pipeline
+    import quantkit.convert.runs as runs
+
+    monkeypatch.setattr(pipeline, "RUN_DEVICES", ("cuda", "cpu"))
+    if run_bytes is not None:
+        monkeypatch.setattr(runs, "RUN_BYTES", run_bytes)
+    sizes: list[int] = []
+    original = pipeline.convert_run
+
+    def counted(run, *args):
+        sizes.append(len(run.actions))
+        return original(run, *args)
+
+    monkeypatch.setattr(pipeline, "convert_run", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("recipe", ["glm5-int4-experts-g32", "glm5-int4-experts-asym-g32"])
+@pytest.mark.parametrize("run_bytes", [None, 100_000])
+def test_weights_converted_in_runs_are_the_bytes_of_one_by_one(synthetic, tmp_path, monkeypatch, recipe, run_bytes):
+    """Stacked along their rows, a run's weights give the bytes each gives alone, in shards, manifest and digests."""
+    src = synthetic["glm_moe_dsa"]
+    convert(src, tmp_path / "one", recipe, device="cpu", workers=2, max_shard_size="700KB")
+    sizes = _runs_everywhere(monkeypatch, run_bytes)
+    convert(src, tmp_path / "runs", recipe, device="cpu", workers=2, max_shard_size="700KB")
+    assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "runs")
+    assert max(sizes) > 1 and (run_bytes is None or max(sizes) < 10)  # 100 kB: a few weights of 33 kB a run
+
+
+def test_a_nan_in_a_run_is_the_one_line_error_naming_its_tensor(glm_copy, tmp_path, monkeypatch):
+    from conftest import shard_of
+
+    tensor = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
+    path = shard_of(glm_copy, tensor)
+    tensors = load_file(path)
+    tensors[tensor] = tensors[tensor].clone().fill_(float("inf"))
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    sizes = _runs_everywhere(monkeypatch)
+    with pytest.raises(QuantkitError, match="Inf") as failure:
+        convert(glm_copy, tmp_path / "dst", "glm5-int4-experts-g32", device="cpu", workers=2)
+    assert failure.value.tensor == tensor and failure.value.file == str(path) and max(sizes) > 1
+    assert not list((tmp_path / "dst").glob(".*.partial"))
+
+
+def test_a_zero_scale_in_a_run_is_warned_of_by_name_and_converts_as_alone(glm_copy, tmp_path, monkeypatch):
+    from conftest import shard_of
+    from safetensors.torch import save_file
+
+    tensor = "model.layers.1.mlp.experts.5.down_proj.weight_scale_inv"
+    path = shard_of(glm_copy, tensor)
+    tensors = load_file(path)
+    tensors[tensor] = tensors[tensor].clone().fill_(0)
+    save_file(tensors, path, metadata={"format": "pt"})
+    one = convert(glm_copy, tmp_path / "one", "glm5-int4-experts-g32", device="cpu", workers=2)
+    _runs_everywhere(monkeypatch)
+    runs = convert(glm_copy, tmp_path / "runs", "glm5-int4-experts-g32", device="cpu", workers=2)
+    assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "runs")
+    assert runs.warnings == one.warnings and any(tensor in w for w in runs.warnings)
+
+
+def test_a_run_holds_consecutive_weights_of_one_file_that_lie_together(synthetic):
+    """What gathers weights into a run, on the plan alone: one file, a span not much more than their bytes, a
+    multiple of 128 rows; the calibrated walk's modules and other actions stay one by one, in the shard's order."""
+    from quantkit.convert.runs import Run, runs_of, stackable
+    from quantkit.convert.tensor_plan import plan_conversion
+    from quantkit.formats.recipe import load_recipe
+
+    ckpt = open_checkpoint(synthetic["glm_moe_dsa"])
+    plan = plan_conversion(ckpt, load_recipe("glm5-int4-experts-g32"), 5 * 10**9)
+    actions = [a for s in plan.shards for a in s.actions]
+    skip = {actions[-1].module}
+    items = runs_of(actions, plan, ckpt, skip)
+    flat = [a for item in items for a in (item.actions if isinstance(item, Run) else [item])]
+    assert flat == actions
+    runs = [item for item in items if isinstance(item, Run)]
+    assert runs and max(len(r.actions) for r in runs) > 1
+    for run in runs:
+        infos = [ckpt.tensors[n] for a in run.actions for n in a.sources]
+        assert {i.file for i in infos} == {run.file}
+        assert run.start == min(i.start for i in infos) and run.end == max(i.end for i in infos)
+        assert run.end - run.start <= run.source_bytes * 9 // 8
+        assert all(ckpt.tensors[a.sources[0]].shape[0] % 128 == 0 and a.module not in skip for a in run.actions)
+    alone = [a for a in items if not isinstance(a, Run)]
+    assert all(a.module in skip or not stackable(a, plan, ckpt) for a in alone) and skip <= {a.module for a in alone}
+
+
 KILLED_MID_WAY = """
 import os, signal, sys
 from pathlib import Path
