@@ -75,24 +75,16 @@ def test_a_replayed_graph_gives_what_its_kernels_give_launched_one_by_one():
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-@pytest.mark.parametrize("run_bytes", [None, 40_000])  # the synthetic experts' runs: several layouts, or one weight
-def test_conversions_replay_graphs_and_equal_the_cpu_to_the_byte(synthetic, tmp_path, monkeypatch, workers,
-                                                                 run_bytes):
-    import quantkit.convert.runs as runs
-
-    replays, converted = [], []
-    run, convert_run = GraphCache.run, runs.convert_run
+def test_conversions_replay_graphs_and_equal_the_cpu_to_the_byte(synthetic, tmp_path, monkeypatch, workers):
+    replays = []
+    run = GraphCache.run
     monkeypatch.setattr(GraphCache, "run", lambda self, *a: (out := run(self, *a), replays.append(self.replays))[0])
-    monkeypatch.setattr("quantkit.convert.pipeline.convert_run",
-                        lambda r, *a: (converted.append(len(r.actions)), convert_run(r, *a))[1])
-    if run_bytes is not None:
-        monkeypatch.setattr(runs, "RUN_BYTES", run_bytes)
     for recipe in ("glm5-int4-experts-g32", "glm5-int4-experts-asym-g32"):
         quantkit("convert", synthetic["glm_moe_dsa"], tmp_path / recipe / "cpu", "-r", recipe, "--device", "cpu")
-        replays.clear(), converted.clear()
+        replays.clear()
         quantkit("convert", synthetic["glm_moe_dsa"], tmp_path / recipe / "cuda", "-r", recipe, "--device", "cuda",
                  "--workers", workers)
-        assert converted and (max(converted) > 1 if run_bytes is None else replays and max(replays) > 10), recipe
+        assert replays and max(replays) > 10, recipe
         assert tree_bytes(tmp_path / recipe / "cuda") == tree_bytes(tmp_path / recipe / "cpu"), recipe
 
 

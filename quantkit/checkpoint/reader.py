@@ -361,25 +361,12 @@ class TensorReader:
 
     def _read_into(self, name: str, view: memoryview) -> None:
         info = self.checkpoint.tensors[name]
-        self._pread(info.file, info.start, view, name)
-
-    def _pread(self, file: str, start: int, view: memoryview, name: str) -> None:
-        fd, done = self._fd(file), 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], start + done)
+        fd, done = self._fd(info.file), 0
+        while done < info.nbytes:
+            got = os.preadv(fd, [view[done:]], info.start + done)
             if got == 0:
-                raise QuantkitError("truncated while reading", self.checkpoint.root / file, name)
+                raise QuantkitError("truncated while reading", self.checkpoint.root / info.file, name)
             done += got
-
-    def read_range(self, file: str, start: int, end: int, name: str, pinned: bool = False):
-        """Bytes ``[start, end)`` of one shard file as a uint8 tensor, read with one call; ``pinned``: in page-locked
-        memory, which a GPU copies from without staging; ``name``: the first tensor there, named if the file is cut
-        short."""
-        import torch
-
-        out = torch.empty(end - start, dtype=torch.uint8, pin_memory=pinned)
-        self._pread(file, start, out.numpy().data, name)
-        return out
 
     def read(self, name: str, pinned: bool = False):
         """The tensor, read into memory of its own (never zero-filled first); ``pinned``: page-locked memory that a

@@ -184,17 +184,6 @@ class ShardWriter:
         self._next += 1
         self._emit(_tensor_bytes(tensor))
 
-    def write_run(self, count: int, data) -> None:
-        """The next ``count`` planned tensors at once: ``data`` (a buffer) holds their bytes laid out in order, each
-        checked by its maker against its planned dtype and shape; here only the total size is."""
-        planned = self.entries[self._next:self._next + count]
-        nbytes = sum(math.prod(shape) * DTYPES[code][0] for _, code, shape in planned)
-        if len(planned) != count or len(data) != nbytes:
-            raise RuntimeError(f"{self.path}: planned {count} tensors of {nbytes} bytes from entry {self._next}, "
-                               f"produced {len(data)} bytes")
-        self._next += count
-        self._emit(data)
-
     def _emit(self, chunk) -> None:
         self._guard(lambda: self._file.write(chunk))
         self._digest.update(chunk)

@@ -46,9 +46,6 @@ class GraphCache:
         self._pool = graph.pool()
         self._graphs[key] = static, tuple(outputs), graph
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
-
     def run(self, key: Hashable, fn: Callable[..., tuple], inputs: tuple) -> tuple:
         """``fn(*inputs)``: replayed from the key's graph, or run as launched where there is none."""
         entry = self._graphs.get(key)

@@ -23,17 +23,13 @@ from quantkit.checkpoint.source_digest import SourceDigest
 from quantkit.checkpoint.writer import ShardWriter
 from quantkit.convert.actions import calibrated_outputs, capture_graphs, frequent_computations, run_action
 from quantkit.convert.cuda_graphs import GraphCache
-from quantkit.convert.runs import Run, convert_run, frequent_layouts, runs_of, source_view
-from quantkit.convert.runs import capture as capture_runs
-from quantkit.convert.tensor_plan import SHARD_METADATA, Action, ConversionPlan, OutputShard
+from quantkit.convert.tensor_plan import SHARD_METADATA, ConversionPlan, OutputShard
 
 if TYPE_CHECKING:
     from quantkit.convert.calibrated.walk import CalibratedResult
 
 STAGES = ("read", "decode", "quantize", "pack", "write")
 PREFETCH = 4  # source tensors read ahead per worker: overlaps IO with compute, bounds memory
-RUN_PREFETCH = 1  # runs (convert/runs.py) read ahead per worker: each is several tensors
-RUN_DEVICES = ("cuda",)  # where weights convert in runs: on a CPU the arithmetic, not the GIL, sets the pace
 
 
 class Stats:
@@ -102,25 +98,11 @@ class ShardWork:
     quantized: CalibratedResult | None = None  # the calibrated walk's layer files, read instead of computed
     calibrated: frozenset[str] = frozenset()  # modules the calibrated walk makes (their source bytes: its digest)
 
-    @property
-    def skipped(self) -> set[str]:
-        """Modules never converted in a run: the calibrated walk's."""
-        return set(self.quantized.files if self.quantized is not None else ()) | set(self.calibrated)
-
-    def items(self, shard: OutputShard, device: str) -> list[Action | Run]:
-        """``shard``'s actions in order, on a GPU those that stack gathered into runs (convert/runs.py)."""
-        if not device.startswith(RUN_DEVICES):
-            return list(shard.actions)
-        return runs_of(shard.actions, self.plan, self.ckpt, self.skipped)
-
-    def graphed(self, todo: list[OutputShard], device: str) -> list[Action | Run]:
-        """What is worth a CUDA graph per slot: the computations many of ``todo``'s tensors converted one by one
-        share, and the layouts many of its runs share."""
-        items = [item for shard in todo for item in self.items(shard, device)]
+    def graphed(self, todo: list[OutputShard]) -> list:
+        """The computations enough of ``todo``'s tensors share to be worth a CUDA graph per slot."""
         done = self.quantized.files if self.quantized is not None else {}
-        alone = [a for a in items if isinstance(a, Action) and a.module not in done]
-        runs = [r for r in items if isinstance(r, Run)]
-        return [*frequent_computations(alone, self.plan, self.ckpt), *frequent_layouts(runs, self.plan, self.ckpt)]
+        computed = [a for s in todo for a in s.actions if a.module not in done]
+        return frequent_computations(computed, self.plan, self.ckpt)
 
 
 @dataclass
@@ -161,7 +143,7 @@ def _run_jobs(job: Job, todo: list[OutputShard], workers: int, devices: list[str
     for i in range(workers):
         slot = Slot(devices[i % len(devices)])
         if slot.device.startswith("cuda"):  # every slot's graphs before any job runs (convert/cuda_graphs.py)
-            frequent = job.work.graphed(todo, slot.device) if frequent is None else frequent
+            frequent = job.work.graphed(todo) if frequent is None else frequent
             slot.capture(job.work, frequent)
         slots.put(slot)
 
@@ -208,55 +190,42 @@ class Slot:
             self.stream, self.graphs = torch.cuda.Stream(device=self.device), GraphCache()
         return torch.cuda.stream(self.stream)
 
-    def capture(self, work: ShardWork, frequent: list[Action | Run]) -> None:
-        """This slot's CUDA graphs of ``frequent`` computations and run layouts, on its own stream."""
+    def capture(self, work: ShardWork, frequent: list) -> None:
+        """This slot's CUDA graphs of ``frequent`` computations, on its own stream."""
         with self.on_stream():
             assert self.graphs is not None
-            actions = [a for a in frequent if isinstance(a, Action)]
-            capture_graphs(self.graphs, actions, work.plan, work.ckpt, self.device)
-            capture_runs(self.graphs, [r for r in frequent if isinstance(r, Run)], work.plan, work.ckpt, self.device)
+            capture_graphs(self.graphs, frequent, work.plan, work.ckpt, self.device)
 
 
 def convert_shard(work: ShardWork, shard: OutputShard, slot: Slot, stats: Stats, progress: Progress):
     """Three threads per shard: read ahead -> compute (this thread) -> write and hash. For a GPU the source tensors
     are read into pinned memory, so that their copies to the device run on the slot's stream without a staging
-    copy, and the weights that stack are read, converted and written in runs (convert/runs.py)."""
+    copy."""
     quantized, device = work.quantized, slot.device
     pinned = device.startswith("cuda")
-    items = work.items(shard, device)
     entries = [(o.name, o.dtype, o.shape) for o in shard.tensors]
     stop = threading.Event()
-    depth = RUN_PREFETCH if any(isinstance(item, Run) for item in items) else PREFETCH
-    loaded, computed = _Pipe(depth, stop), _Pipe(depth, stop)
+    loaded, computed = _Pipe(PREFETCH, stop), _Pipe(PREFETCH, stop)
     failures: list[BaseException] = []
     written: list = []
     digest = SourceDigest()  # the source bytes this shard is made of, as they are read
-
-    def read(reader: TensorReader, item: Action | Run, layer_files: dict):
-        if isinstance(item, Run):
-            first = item.actions[0].sources[0]
-            data = reader.read_range(item.file, item.start, item.end, first, pinned)
-            raw = data.numpy().data
-            for name in (name for a in item.actions for name in a.sources):
-                digest.add(name, source_view(item, raw, work.ckpt, name))
-            return item, data, False
-        if quantized is not None and item.module in quantized.files:  # the calibrated walk's packed tensors
-            return item, quantized.read(item.module, layer_files), True
-        tensors = {name: reader.read(name, pinned=pinned) for name in item.sources}
-        if item.module not in work.calibrated:
-            for name in item.sources:
-                digest.add(name, tensors[name])
-        return item, tensors, False
 
     def read_ahead():
         try:
             layer_files: dict = {}
             with TensorReader(work.ckpt) as reader:
-                for item in items:
+                for action in shard.actions:
                     t0 = time.perf_counter()
-                    got = read(reader, item, layer_files)
+                    done = quantized is not None and action.module in quantized.files
+                    if done:  # the calibrated walk's packed tensors, not the source's
+                        tensors = quantized.read(action.module, layer_files)
+                    else:
+                        tensors = {name: reader.read(name, pinned=pinned) for name in action.sources}
+                    if action.module not in work.calibrated:
+                        for name in action.sources:
+                            digest.add(name, tensors[name])
                     stats.add("read", time.perf_counter() - t0)
-                    if not loaded.put(got):
+                    if not loaded.put((action, tensors, done)):
                         return
             loaded.put(_DONE)
         except BaseException as exc:
@@ -265,16 +234,13 @@ def convert_shard(work: ShardWork, shard: OutputShard, slot: Slot, stats: Stats,
 
     def write_behind(writer: ShardWriter):
         try:
-            while (got := computed.get()) is not _DONE:
-                item, outputs = got
+            while (item := computed.get()) is not _DONE:
+                action, outputs = item
                 t0 = time.perf_counter()
-                if isinstance(item, Run):
-                    writer.write_run(len(item.outputs), outputs.numpy().data)
-                else:
-                    for name, tensor in outputs.items():
-                        writer.write(name, tensor)
+                for name, tensor in outputs.items():
+                    writer.write(name, tensor)
                 stats.add("write", time.perf_counter() - t0)
-                progress.add(item.source_bytes)
+                progress.add(action.source_bytes)
             if not stop.is_set():
                 t0 = time.perf_counter()
                 written.append(writer.finish())
@@ -283,13 +249,6 @@ def convert_shard(work: ShardWork, shard: OutputShard, slot: Slot, stats: Stats,
             failures.append(exc)
             stop.set()
 
-    def compute(item: Action | Run, tensors, done: bool):
-        if isinstance(item, Run):
-            return convert_run(item, tensors, work.plan, work.ckpt, device, stats, slot.graphs)
-        if done:
-            return calibrated_outputs(item, tensors)
-        return run_action(item, tensors, work.plan, work.ckpt, device, stats, slot.graphs)
-
     with ShardWriter(work.dst / shard.name, entries, SHARD_METADATA) as writer:
         threads = [threading.Thread(target=read_ahead, daemon=True),
                    threading.Thread(target=write_behind, args=(writer,), daemon=True)]
@@ -297,9 +256,11 @@ def convert_shard(work: ShardWork, shard: OutputShard, slot: Slot, stats: Stats,
             t.start()
         try:
             with slot.on_stream():
-                while (got := loaded.get()) is not _DONE:
-                    item, tensors, done = got
-                    if not computed.put((item, compute(item, tensors, done))):
+                while (item := loaded.get()) is not _DONE:
+                    action, tensors, done = item
+                    outputs = calibrated_outputs(action, tensors) if done else run_action(
+                        action, tensors, work.plan, work.ckpt, device, stats, slot.graphs)
+                    if not computed.put((action, outputs)):
                         break
             computed.put(_DONE)
             threads[1].join()

@@ -90,7 +90,7 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     listener = threading.Thread(target=_forward_progress, args=(progress, job.progress), daemon=True)
     listener.start()
     threads = max(1, (os.cpu_count() or 1) // workers)
-    setup = (os.getpid(), job.work, job.work.graphed(todo, devices[0]), slots, progress, threads)
+    setup = (os.getpid(), job.work, job.work.graphed(todo), slots, progress, threads)
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start, initargs=setup) as pool:
             futures = {pool.submit(_convert, shard): shard for shard in todo}
