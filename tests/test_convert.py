@@ -216,6 +216,27 @@ def test_worker_processes_with_no_shard_to_convert_start_none():
     run_in_processes(Job(work=None, manifest=None, stats=None, progress=None), [], 4, ["cuda:0"])
 
 
+def test_a_worker_process_setup_holds_no_shard_and_only_the_tensors_graphs_need(synthetic, tmp_path):
+    """The pool pickles its workers' setup once for each worker, one after another (GLM 5.2's whole plan and tensor
+    list: 1.6 s each): the setup holds the plan less its shards and the tensors its CUDA graphs are captured from;
+    each job brings its shard and that shard's source tensors."""
+    from quantkit.convert.pipeline import ShardWork
+    from quantkit.convert.processes import _for_workers, _sources
+    from quantkit.convert.tensor_plan import plan_conversion
+    from quantkit.formats.recipe import load_recipe
+
+    ckpt = open_checkpoint(synthetic["glm_moe_dsa"])
+    plan = plan_conversion(ckpt, load_recipe("glm5-int4-experts-g32"), 700_000)
+    work = ShardWork(plan, ckpt, tmp_path)
+    frequent = work.graphed(plan.shards)
+    setup = _for_workers(work, frequent)
+    assert frequent and setup.plan.shards == [] and len(plan.shards) > 2
+    assert set(setup.ckpt.tensors) == {name for a in frequent for name in a.sources}
+    assert len(setup.ckpt.tensors) * 10 < len(ckpt.tensors)
+    for shard in plan.shards:
+        assert set(_sources(ckpt, [shard]).tensors) == {name for a in shard.actions for name in a.sources}
+
+
 KILLED_MID_WAY = """
 import os, signal, sys
 from pathlib import Path

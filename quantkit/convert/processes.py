@@ -13,8 +13,10 @@ into DST after its lock is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import threading
@@ -22,8 +24,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import forkserver
 
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.convert.pipeline import Job, Progress, ShardWork, Slot, Stats, convert_shard, each_result
-from quantkit.convert.tensor_plan import OutputShard
+from quantkit.convert.tensor_plan import Action, OutputShard
 
 PRELOAD = ["torch", "quantkit.convert.processes"]
 # Worker processes cost seconds to start (the forkserver's torch import, a CUDA context and graphs each: 6 s for 4
@@ -90,10 +93,12 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     listener = threading.Thread(target=_forward_progress, args=(progress, job.progress), daemon=True)
     listener.start()
     threads = max(1, (os.cpu_count() or 1) // workers)
-    setup = (os.getpid(), job.work, job.work.graphed(todo), slots, progress, threads)
+    frequent = job.work.graphed(todo)
+    payload = pickle.dumps((_for_workers(job.work, frequent), frequent), protocol=pickle.HIGHEST_PROTOCOL)
+    setup = (os.getpid(), payload, slots, progress, threads)
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start, initargs=setup) as pool:
-            futures = {pool.submit(_convert, shard): shard for shard in todo}
+            futures = {pool.submit(_convert, shard, _sources(job.work.ckpt, [shard])): shard for shard in todo}
             each_result(futures, lambda shard, done: _recorded(job, shard, done))
     finally:
         progress.put(None)
@@ -113,11 +118,27 @@ def _forward_progress(queue, progress: Progress) -> None:
         progress.add(n)
 
 
-def _start(parent: int, work: ShardWork, frequent: list, slots, progress, threads: int) -> None:
+def _for_workers(work: ShardWork, frequent: list[Action]) -> ShardWork:
+    """What every worker reads: the work less the plan's shards and less the source's tensors but those its graphs
+    are captured from; each job brings its shard and that shard's source tensors. The pool pickles its workers' setup
+    once for each worker, in this process, one after another: GLM 5.2's plan and tensor list are 31 MB pickled, 1.6 s
+    to pickle on our CPU, 26 s for 16 workers (docs/benchmarks.md, "Worker start-up")."""
+    plan = dataclasses.replace(work.plan, shards=[])
+    return dataclasses.replace(work, plan=plan, ckpt=_sources(work.ckpt, [OutputShard("graphs", frequent)]))
+
+
+def _sources(ckpt: Checkpoint, shards: list[OutputShard]) -> Checkpoint:
+    """``ckpt`` with only the tensors ``shards`` read."""
+    tensors = {name: ckpt.tensors[name] for shard in shards for a in shard.actions for name in a.sources}
+    return dataclasses.replace(ckpt, shards=[], tensors=tensors)
+
+
+def _start(parent: int, payload: bytes, slots, progress, threads: int) -> None:
     """A worker's setup: die with the conversion's process, take a device slot, capture the slot's CUDA graphs."""
     import torch
 
     threading.Thread(target=_die_with, args=(os.pidfd_open(parent),), daemon=True).start()
+    work, frequent = pickle.loads(payload)
     torch.set_num_threads(threads)
     _Worker.work, _Worker.slot = work, Slot(slots.get())
     _Worker.progress = _SentProgress(progress)
@@ -131,7 +152,10 @@ def _die_with(parent_fd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _convert(shard: OutputShard) -> ShardDone:
+def _convert(shard: OutputShard, sources: Checkpoint) -> ShardDone:
     stats = Stats()
-    written, digest = convert_shard(_Worker.work, shard, _Worker.slot, stats, _Worker.progress)
+    work = _Worker.work
+    ckpt = dataclasses.replace(sources, tensors={**work.ckpt.tensors, **sources.tensors})
+    written, digest = convert_shard(dataclasses.replace(work, ckpt=ckpt), shard, _Worker.slot, stats,
+                                    _Worker.progress)
     return ShardDone(written.sha256, written.size, digest, stats.seconds, stats.warnings)
