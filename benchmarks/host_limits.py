@@ -1,5 +1,6 @@
-"""What one host's cores do per thread, the ingredients of a conversion's ceiling: sha256, writing to a tmpfs,
-pread from it into pinned memory, fresh pinned allocations, and a GPU round trip per tensor, at 1, 4 and 16 threads.
+"""What one host's cores do per thread, the ingredients of a conversion's ceiling: memory copies, sha256, writing to
+a tmpfs, pread from it into pinned memory, fresh pinned allocations, and a GPU round trip per tensor, at 1, 4 and 16
+threads.
 
     python benchmarks/host_limits.py        # needs a CUDA GPU for the last two; /dev/shm for the files
 
@@ -12,10 +13,12 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import torch
 
 WORK = "/dev/shm/quantkit-host-limits"
 CHUNK = 64 << 20
+COPY = 256 << 20  # per thread: far past any cache
 
 
 def parallel(n: int, fn) -> float:
@@ -26,6 +29,21 @@ def parallel(n: int, fn) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
+
+def copy_rates() -> None:
+    """Memory copies, each thread from its own array to its own, both touched first (no page faults timed)."""
+    sources = [np.ones(COPY, np.uint8) for _ in range(16)]
+    targets = [np.ones(COPY, np.uint8) for _ in range(16)]
+
+    def copy(i, reps=4):  # numpy lets go of the GIL while it copies
+        for _ in range(reps):
+            np.copyto(targets[i], sources[i])
+
+    for n in (1, 4, 16):
+        s = parallel(n, copy)
+        print(f"memcpy, {n} threads: {n * 4 * COPY / s / 1e9:.1f} GB/s copied ({2 * n * 4 * COPY / s / 1e9:.1f} GB/s "
+              "of reads and writes)", flush=True)
 
 
 def main() -> None:
@@ -50,6 +68,7 @@ def main() -> None:
             offset += n
         os.close(fd)
 
+    copy_rates()
     for n in (1, 4, 16):
         s = parallel(n, sha)
         print(f"sha256, {n} threads: {n * 8 * CHUNK / s / 1e9:.2f} GB/s", flush=True)
