@@ -122,7 +122,7 @@ def _for_workers(work: ShardWork, frequent: list[Action]) -> ShardWork:
     """What every worker reads: the work less the plan's shards and less the source's tensors but those its graphs
     are captured from; each job brings its shard and that shard's source tensors. The pool pickles its workers' setup
     once for each worker, in this process, one after another: GLM 5.2's plan and tensor list are 31 MB pickled and
-    added 37 s to starting 16 workers on our CPU (docs/benchmarks.md, "Throughput IV")."""
+    added 40 s to starting 16 workers on our CPU (docs/benchmarks.md, "Throughput IV")."""
     plan = dataclasses.replace(work.plan, shards=[])
     return dataclasses.replace(work, plan=plan, ckpt=_sources(work.ckpt, [OutputShard("graphs", frequent)]))
 
