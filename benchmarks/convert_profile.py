@@ -5,7 +5,8 @@ that the first run's one-off costs (CUDA context, lazy kernels, graph captures, 
 from the steady state. For each run it prints:
 
 - phases, wall seconds: ``setup`` (open, plan, devices), ``capture`` (CUDA graphs, before the jobs), ``run_all``
-  (the shard jobs, captures included), ``finish`` (index, config);
+  (the shard jobs in threads, captures included), ``run_in_processes`` (the same in worker processes), ``finish``
+  (index, config);
 - ``jobs_thread_s``: the shard jobs' summed seconds, and the stages' own thread-seconds (read, pack, write...);
 - a GIL probe: a thread that sleeps 0.5 ms in a loop and measures how late it wakes, that is how long it waits to
   take the GIL back (near 0.05 ms on an idle interpreter).
@@ -61,7 +62,7 @@ class GilProbe:
 def timed_phases(phases: dict) -> None:
     """Wrap the conversion's phase functions so that each adds its wall seconds to ``phases``."""
     import quantkit.convert as convert_module
-    from quantkit.convert import pipeline
+    from quantkit.convert import dst, pipeline
 
     def wrap(module, name, key):
         fn = getattr(module, name)
@@ -80,6 +81,7 @@ def timed_phases(phases: dict) -> None:
     wrap(pipeline, "convert_shard", "jobs_thread_s")
     wrap(convert_module, "run_all", "run_all")
     wrap(convert_module, "run_in_processes", "run_in_processes")
+    wrap(dst, "finish", "finish")
 
 
 def main() -> None:

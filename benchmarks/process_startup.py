@@ -100,7 +100,7 @@ def main() -> None:
     best: dict = {}
     records = set()
     for workers in (int(w) for w in args.workers_list.split(",")):
-        for rep in range(args.reps):
+        for _ in range(args.reps):
             for name, tree in trees.items():
                 for big in (False, True):
                     got = run(tree, src, args.work / "dst", workers, big)

@@ -234,7 +234,7 @@ def test_a_worker_process_setup_holds_no_shard_and_only_the_tensors_graphs_need(
     assert set(setup.ckpt.tensors) == {name for a in frequent for name in a.sources}
     assert len(setup.ckpt.tensors) * 10 < len(ckpt.tensors)
     for shard in plan.shards:
-        assert set(_sources(ckpt, [shard]).tensors) == {name for a in shard.actions for name in a.sources}
+        assert set(_sources(ckpt, shard.actions).tensors) == {name for a in shard.actions for name in a.sources}
 
 
 KILLED_MID_WAY = """

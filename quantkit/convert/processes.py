@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import pickle
 import select
 import signal
 import threading
@@ -94,11 +93,10 @@ def run_in_processes(job: Job, todo: list[OutputShard], workers: int, devices: l
     listener.start()
     threads = max(1, (os.cpu_count() or 1) // workers)
     frequent = job.work.graphed(todo)
-    payload = pickle.dumps((_for_workers(job.work, frequent), frequent), protocol=pickle.HIGHEST_PROTOCOL)
-    setup = (os.getpid(), payload, slots, progress, threads)
+    setup = (os.getpid(), _for_workers(job.work, frequent), frequent, slots, progress, threads)
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start, initargs=setup) as pool:
-            futures = {pool.submit(_convert, shard, _sources(job.work.ckpt, [shard])): shard for shard in todo}
+            futures = {pool.submit(_convert, shard, _sources(job.work.ckpt, shard.actions)): shard for shard in todo}
             each_result(futures, lambda shard, done: _recorded(job, shard, done))
     finally:
         progress.put(None)
@@ -124,21 +122,20 @@ def _for_workers(work: ShardWork, frequent: list[Action]) -> ShardWork:
     once for each worker, in this process, one after another: GLM 5.2's plan and tensor list are 31 MB pickled and
     added 40 s to starting 16 workers on our CPU (docs/benchmarks.md, "Throughput IV")."""
     plan = dataclasses.replace(work.plan, shards=[])
-    return dataclasses.replace(work, plan=plan, ckpt=_sources(work.ckpt, [OutputShard("graphs", frequent)]))
+    return dataclasses.replace(work, plan=plan, ckpt=_sources(work.ckpt, frequent))
 
 
-def _sources(ckpt: Checkpoint, shards: list[OutputShard]) -> Checkpoint:
-    """``ckpt`` with only the tensors ``shards`` read."""
-    tensors = {name: ckpt.tensors[name] for shard in shards for a in shard.actions for name in a.sources}
+def _sources(ckpt: Checkpoint, actions: list[Action]) -> Checkpoint:
+    """``ckpt`` with only the tensors ``actions`` read."""
+    tensors = {name: ckpt.tensors[name] for a in actions for name in a.sources}
     return dataclasses.replace(ckpt, shards=[], tensors=tensors)
 
 
-def _start(parent: int, payload: bytes, slots, progress, threads: int) -> None:
+def _start(parent: int, work: ShardWork, frequent: list, slots, progress, threads: int) -> None:
     """A worker's setup: die with the conversion's process, take a device slot, capture the slot's CUDA graphs."""
     import torch
 
     threading.Thread(target=_die_with, args=(os.pidfd_open(parent),), daemon=True).start()
-    work, frequent = pickle.loads(payload)
     torch.set_num_threads(threads)
     _Worker.work, _Worker.slot = work, Slot(slots.get())
     _Worker.progress = _SentProgress(progress)
@@ -153,9 +150,8 @@ def _die_with(parent_fd: int) -> None:
 
 
 def _convert(shard: OutputShard, sources: Checkpoint) -> ShardDone:
+    """One shard, read through ``sources``: the checkpoint with the shard's source tensors alone."""
     stats = Stats()
-    work = _Worker.work
-    ckpt = dataclasses.replace(sources, tensors={**work.ckpt.tensors, **sources.tensors})
-    written, digest = convert_shard(dataclasses.replace(work, ckpt=ckpt), shard, _Worker.slot, stats,
-                                    _Worker.progress)
+    work = dataclasses.replace(_Worker.work, ckpt=sources)
+    written, digest = convert_shard(work, shard, _Worker.slot, stats, _Worker.progress)
     return ShardDone(written.sha256, written.size, digest, stats.seconds, stats.warnings)
