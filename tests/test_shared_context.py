@@ -46,14 +46,18 @@ def test_smollm2_on_arc_easy_scores_as_lm_evals_hflm(smollm2_bf16, kv):
     assert len(ours) == len(requests) > 150
     gaps = sorted(abs(a[0] - b[0]) for a, b in zip(ours, theirs, strict=True))
     print(f"{kv}: |shared - HFLM| median {gaps[len(gaps) // 2]:.2e}, largest {gaps[-1]:.2e}, over 0.01: "
-          f"{sum(g > 0.01 for g in gaps)} of {len(gaps)}")
+          f"{sum(g > 0.01 for g in gaps)} of {len(gaps)}, greedy flags differing: "
+          f"{sum(a[1] != b[1] for a, b in zip(ours, theirs, strict=True))}")
     if kv == "bf16":  # FP32 rounding (measured: median 3.8e-6, largest 3.8e-5)
         assert gaps[-1] < 1e-3
         assert [a[1] for a in ours] == [b[1] for b in theirs]
     else:
-        # a key a rounding apart lands on the next FP8 step (an eighth of its size, e4m3) in some requests: measured
-        # median 5.7e-6, largest 0.19, 20 of 192 over 0.01; HFLM at batch 1 against itself at 16: largest 0.029
-        assert gaps[len(gaps) // 2] < 1e-4 and gaps[-1] < 0.3
+        # a key a rounding apart lands on the next FP8 step (an eighth of its size, e4m3) in some requests, and how
+        # many depends on the CPU's FP32 kernels: measured on an AVX2 machine median 5.7e-6, largest 0.19, 20 of 192
+        # over 0.01 (HFLM at batch 1 against itself at 16: largest 0.029); on an AVX-512 one median 1.3e-4, largest
+        # 0.295, 56 of 192 over 0.01, no greedy flag differing. A context shared wrongly moves every request by far
+        # more than these.
+        assert gaps[len(gaps) // 2] < 1e-3 and gaps[-1] < 0.5
         assert sum(a[1] != b[1] for a, b in zip(ours, theirs, strict=True)) <= 2
 
 
