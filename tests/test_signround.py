@@ -132,6 +132,13 @@ def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path)
     assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
 
 
+def same_bf16_kernels():
+    """BF16 matrix products off oneDNN: on a CPU with AMX or AVX-512 BF16, oneDNN's kernels round by shape, and
+    quantkit and the peer shape the same products differently (seen 2026-12-07: layer 3 of 8 differed); without it
+    both take the path a CPU without native BF16 takes, where equal arithmetic gives equal bits."""
+    return torch.backends.mkldnn.flags(enabled=False)
+
+
 def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monkeypatch):
     """symmetric: false tunes a zero point per group with the rounding. The weights quantkit writes dequantize to
     AutoRound's own tuned weights, with oneshot's scales. oneshot itself (llm-compressor 0.14) hands compressed-tensors
@@ -159,8 +166,11 @@ def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monk
     modules = sorted(n.removesuffix(".weight_packed") for n in mine if n.endswith(".weight_packed"))
     assert len(modules) == len(tuned) == 9
 
-    def autorounds(weight: torch.Tensor) -> bool:  # one of AutoRound's tuned weights, up to the scale's BF16 rounding
-        return any(w.shape == weight.shape and torch.allclose(weight, w.float(), rtol=2**-8, atol=0)
+    # one of AutoRound's tuned weights, up to the scale's BF16 rounding and, on a CPU with native BF16, AutoRound's own
+    # BF16 rounding of its product (seen on an AMX host: 5,939 of 131,072 elements past 2^-8, e.g. -0.036530 against
+    # -0.036377); the peer's clamped groups are whole steps off
+    def autorounds(weight: torch.Tensor) -> bool:
+        return any(w.shape == weight.shape and torch.allclose(weight, w.float(), rtol=2**-7, atol=0)
                    for w in tuned.values())
 
     for module in modules:
@@ -346,9 +356,10 @@ def test_weights_equal_llm_compressor_oneshot_on_smollm2(smollm2_bf16, tmp_path)
     (a few tuning steps on a few sequences keep it to a minute on a CPU)."""
     recipe = signround_recipe(tmp_path, samples=4, seq_len=64, iters=2, batch_size=2)
     model = first_layers(smollm2_bf16, tmp_path / "smollm2", 8)
-    convert(model, tmp_path / "ours", recipe, device="cpu")
+    with same_bf16_kernels():
+        convert(model, tmp_path / "ours", recipe, device="cpu")
+        theirs = peer_oneshot(model, recipe, tmp_path / "peer")
     mine = {k: v for f in sorted((tmp_path / "ours").glob("*.safetensors")) for k, v in load_file(f).items()}
-    theirs = peer_oneshot(model, recipe, tmp_path / "peer")
     quantized = [n for n in mine if n.endswith(("weight_packed", "weight_scale"))]
     assert len(quantized) == 2 * 3 * 8
     different = [n for n in quantized if not torch.equal(mine[n], theirs[n])]
