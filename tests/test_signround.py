@@ -57,6 +57,13 @@ def autoround_told_what_the_recipe_leaves_unquantized():
         AutoRoundModifier.get_unquantized_layer_names = original
 
 
+def same_bf16_kernels():
+    """BF16 matrix products off oneDNN: on a CPU with AMX or AVX-512 BF16, oneDNN's kernels round by shape, and
+    quantkit and the peer shape the same products differently (seen 2026-12-07: layer 3 of 8 differed); without it
+    both take the path a CPU without native BF16 takes, where equal arithmetic gives equal bits."""
+    return torch.backends.mkldnn.flags(enabled=False)
+
+
 def peer_oneshot(model_dir: Path, recipe: Path, out: Path) -> dict[str, torch.Tensor]:
     """llm-compressor's oneshot with the same recipe and token sequences, saved compressed; its tensors. Its
     attention is the source's, to the bit (what the recipe says and quantkit writes)."""
@@ -130,13 +137,6 @@ def test_a_kill_between_layers_then_resume_gives_the_same_bytes(llama, tmp_path)
     layers = json.loads(done.stdout)["calibrated"]["layers"]
     assert layers[0]["reused"] and not layers[-1]["reused"]
     assert tree_bytes(dst) == tree_bytes(tmp_path / "reference")
-
-
-def same_bf16_kernels():
-    """BF16 matrix products off oneDNN: on a CPU with AMX or AVX-512 BF16, oneDNN's kernels round by shape, and
-    quantkit and the peer shape the same products differently (seen 2026-12-07: layer 3 of 8 differed); without it
-    both take the path a CPU without native BF16 takes, where equal arithmetic gives equal bits."""
-    return torch.backends.mkldnn.flags(enabled=False)
 
 
 def test_asymmetric_groups_keep_autorounds_own_zero_points(llama, tmp_path, monkeypatch):
