@@ -67,6 +67,17 @@ def llama_pair(synthetic, tmp_path_factory) -> tuple[Path, Path]:
     return base, cand
 
 
+def pytest_assertrepr_compare(op, left, right):
+    """Two folders' ``tree_bytes`` compared: the files that differ by name, not megabytes of their bytes (a CI log
+    keeps only its tail, and a whole tokenizer.json there hid which test had failed)."""
+    if op == "==" and all(isinstance(d, dict) and d and all(isinstance(v, bytes) for v in d.values())
+                          for d in (left, right)):
+        return ["two folders' files differ",
+                f"differing: {sorted(k for k in left.keys() & right.keys() if left[k] != right[k])}",
+                f"only left: {sorted(left.keys() - right.keys())}", f"only right: {sorted(right.keys() - left.keys())}"]
+    return None
+
+
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
